@@ -1,0 +1,266 @@
+"""Episode records: everything an algorithm needs after an episode, in one place.
+
+Environments append to these while stepping; rewards and advantage estimators read them later.
+Batch-level quantities (RouteRAG's batch-centred efficiency, LWS's stage schedules) are computed
+by the algorithms layer from the per-episode numbers stored here, so nothing in a record depends
+on the other episodes of a batch.
+
+``EpisodeRecord.as_dict()`` uses the key spellings that ``raggym.rewards.outcome.EpisodeOutcome``
+reads (``answer``, ``gold_answers``, ``queries``, ``modes``, ``retrieved_ids``,
+``retrieved_texts``, ``retrieval_seconds``, ``retrieval_cost``, ``truncated``, ``format_ok``,
+``gold_passages``, ``question_id``, ``response_text``), plus the full per-turn list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from raggym.data.types import Question
+from raggym.protocol import Action, Dialect, FormatCheck
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One ``step`` of a ``RagSearchEnv`` episode."""
+
+    index: int
+    segment: str
+    action: Action
+    observation: str
+    mode: str | None = None
+    query: str | None = None
+    retrieved_ids: tuple[str, ...] = ()
+    retrieved_titles: tuple[str, ...] = ()
+    retrieved_texts: tuple[str, ...] = ()
+    facts: tuple[tuple, ...] = ()
+    seconds: float = 0.0
+    cost: float = 0.0
+    format_error: bool = False
+
+    @property
+    def retrieved(self) -> bool:
+        """True when this turn ran a retrieval (a valid search)."""
+        return self.query is not None
+
+    def as_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "segment": self.segment,
+            "action": self.action.as_dict(),
+            "observation": self.observation,
+            "mode": self.mode,
+            "query": self.query,
+            "retrieved_ids": list(self.retrieved_ids),
+            "retrieved_titles": list(self.retrieved_titles),
+            "retrieved_texts": list(self.retrieved_texts),
+            "facts": [list(f) for f in self.facts],
+            "seconds": self.seconds,
+            "cost": self.cost,
+            "format_error": self.format_error,
+        }
+
+
+@dataclass(slots=True)
+class EpisodeRecord:
+    """A whole ``RagSearchEnv`` episode: prompt, turns, outcome and retrieval totals."""
+
+    question: Question
+    dialect: Dialect
+    prompt: str
+    turns: list[TurnRecord] = field(default_factory=list)
+    answer: str | None = None
+    terminated: bool = False
+    truncated: bool = False
+    truncation_reason: str | None = None
+    reward: float | None = None
+    num_retrievals: int = 0
+    retrieval_seconds: float = 0.0
+    retrieval_cost: float = 0.0
+    num_format_errors: int = 0
+    gold_passages: tuple[str, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+    @property
+    def segments(self) -> list[str]:
+        return [t.segment for t in self.turns]
+
+    @property
+    def observations(self) -> list[str]:
+        return [t.observation for t in self.turns]
+
+    def retrieval_turns(self) -> list[TurnRecord]:
+        return [t for t in self.turns if t.retrieved]
+
+    def all_retrieved_ids(self) -> list[str]:
+        return [pid for t in self.turns for pid in t.retrieved_ids]
+
+    def all_retrieved_texts(self) -> list[str]:
+        """Every retrieved passage text in order (PathRouter's evidence overlap reads these)."""
+        return [text for t in self.turns for text in t.retrieved_texts]
+
+    def response_text(self) -> str:
+        """Model segments and observations interleaved, without the prompt."""
+        return "".join(t.segment + t.observation for t in self.turns)
+
+    def transcript(self) -> str:
+        return self.prompt + self.response_text()
+
+    def format_check(self) -> FormatCheck:
+        """The dialect's trajectory-level format verdict; an episode with a format-error turn or
+        without an answer never passes."""
+        check = self.dialect.format_check(self.response_text())
+        if check.ok and (self.num_format_errors or self.answer is None):
+            reason = "a turn had a format error" if self.num_format_errors else "no final answer"
+            return FormatCheck(False, reason, check.structure, check.num_searches)
+        return check
+
+    def as_dict(self) -> dict[str, Any]:
+        retrievals = self.retrieval_turns()
+        check = self.format_check()
+        return {
+            "question_id": self.question.id,
+            "question": self.question.question,
+            "gold_answers": list(self.question.answers),
+            "gold_passage_ids": list(self.question.gold_passage_ids),
+            "gold_passages": list(self.gold_passages),
+            "dialect": self.dialect.name,
+            "prompt": self.prompt,
+            "answer": self.answer,
+            "terminated": self.terminated,
+            "truncated": self.truncated,
+            "truncation_reason": self.truncation_reason,
+            "reward": self.reward,
+            "num_turns": len(self.turns),
+            "num_retrievals": self.num_retrievals,
+            "num_format_errors": self.num_format_errors,
+            "retrieval_seconds": self.retrieval_seconds,
+            "retrieval_cost": self.retrieval_cost,
+            "queries": [t.query for t in retrievals],
+            "modes": [t.mode for t in retrievals],
+            "retrieved_ids": [list(t.retrieved_ids) for t in retrievals],
+            "retrieved_texts": [list(t.retrieved_texts) for t in retrievals],
+            "format_ok": check.ok,
+            "format_reason": check.reason,
+            "response_text": self.response_text(),
+            "turns": [t.as_dict() for t in self.turns],
+        }
+
+    def outcome(self):
+        """This episode as a ``raggym.rewards.outcome.EpisodeOutcome``."""
+        from raggym.rewards.outcome import EpisodeOutcome
+
+        return EpisodeOutcome.from_dict(self.as_dict())
+
+
+@dataclass(slots=True)
+class RouteStepRecord:
+    """One model call of a ``MultiKBRouteEnv`` episode, as Step-GRPO groups them.
+
+    ``phase`` is ``"route"``, ``"answer"`` (intermediate answer to the step's sub-question) or
+    ``"final"``. ``context`` is the full prompt the model saw, ``output`` what it wrote. The
+    ``gold_*`` fields come from the question's golden trajectory where it is known.
+    """
+
+    index: int
+    phase: str
+    route_step: int
+    context: str
+    output: str
+    action: Action
+    knowledge_base: str | None = None
+    sub_question: str | None = None
+    answer: str | None = None
+    retrieved_ids: tuple[str, ...] = ()
+    retrieved_titles: tuple[str, ...] = ()
+    retrieved_texts: tuple[str, ...] = ()
+    seconds: float = 0.0
+    cost: float = 0.0
+    format_error: bool = False
+    gold_knowledge_base: str | None = None
+    gold_sub_question: str | None = None
+    gold_answer: str | None = None
+
+    def as_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "phase": self.phase,
+            "route_step": self.route_step,
+            "context": self.context,
+            "output": self.output,
+            "action": self.action.as_dict(),
+            "knowledge_base": self.knowledge_base,
+            "sub_question": self.sub_question,
+            "answer": self.answer,
+            "retrieved_ids": list(self.retrieved_ids),
+            "retrieved_titles": list(self.retrieved_titles),
+            "retrieved_texts": list(self.retrieved_texts),
+            "seconds": self.seconds,
+            "cost": self.cost,
+            "format_error": self.format_error,
+            "gold_knowledge_base": self.gold_knowledge_base,
+            "gold_sub_question": self.gold_sub_question,
+            "gold_answer": self.gold_answer,
+        }
+
+
+@dataclass(slots=True)
+class RouteEpisodeRecord:
+    """A whole ``MultiKBRouteEnv`` episode."""
+
+    question: Question
+    steps: list[RouteStepRecord] = field(default_factory=list)
+    answer: str | None = None
+    terminated: bool = False
+    truncated: bool = False
+    truncation_reason: str | None = None
+    reward: float | None = None
+    num_retrievals: int = 0
+    retrieval_seconds: float = 0.0
+    retrieval_cost: float = 0.0
+    num_format_errors: int = 0
+    gold_passages: tuple[str, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+    def retrieval_steps(self) -> list[RouteStepRecord]:
+        return [s for s in self.steps if s.phase == "route" and s.sub_question is not None]
+
+    def all_retrieved_texts(self) -> list[str]:
+        return [text for s in self.steps for text in s.retrieved_texts]
+
+    def as_dict(self) -> dict[str, Any]:
+        retrievals = self.retrieval_steps()
+        return {
+            "question_id": self.question.id,
+            "question": self.question.question,
+            "gold_answers": list(self.question.answers),
+            "gold_passage_ids": list(self.question.gold_passage_ids),
+            "gold_passages": list(self.gold_passages),
+            "dialect": "r1_router",
+            "answer": self.answer,
+            "terminated": self.terminated,
+            "truncated": self.truncated,
+            "truncation_reason": self.truncation_reason,
+            "reward": self.reward,
+            "num_retrievals": self.num_retrievals,
+            "num_format_errors": self.num_format_errors,
+            "retrieval_seconds": self.retrieval_seconds,
+            "retrieval_cost": self.retrieval_cost,
+            "queries": [s.sub_question for s in retrievals],
+            "modes": [s.knowledge_base for s in retrievals],
+            "retrieved_ids": [list(s.retrieved_ids) for s in retrievals],
+            "retrieved_texts": [list(s.retrieved_texts) for s in retrievals],
+            "format_ok": self.num_format_errors == 0 and self.answer is not None,
+            "steps": [s.as_dict() for s in self.steps],
+        }
+
+    def outcome(self):
+        from raggym.rewards.outcome import EpisodeOutcome
+
+        return EpisodeOutcome.from_dict(self.as_dict())

@@ -1,0 +1,218 @@
+"""Advantage estimators: GRPO (and Dr.GRPO), Step-GRPO, PathRouter's route-conditioned scaling,
+broadcasting to tokens, and DAPO's dynamic-sampling filter.
+
+All functions are pure: tensors (or plain id sequences) in, tensors out. Sequence-level tensors
+are ``[batch]``; token-level tensors are ``[batch, seq]`` with a 0/1 response (loss) mask.
+
+GRPO (Shao et al., 2024, DeepSeekMath §4.1.2, outcome supervision)::
+
+    Â_i = (r_i − mean_{j ∈ g(i)} r_j) / (std_{j ∈ g(i)} r_j + ε)
+
+where ``g(i)`` is the group of rollouts that share ``i``'s prompt id. A group whose rewards are
+all equal (including a group of one) carries no preference and gets advantage exactly 0.
+
+* ``normalize_by_std=False`` is Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training",
+  §3.1): ``Â_i = r_i − mean_g r``; dividing by the group std over-weights easy and hard prompts.
+* ``unbiased_std=True`` (the default) uses the sample std (divide by n − 1), as verl and TRL do;
+  ``False`` uses the population std (divide by n).
+
+Batch-level rewards that must be computed *before* group normalisation — RouteRAG's
+batch-centred efficiency term — are batch transforms over episode records in
+``raggym.rewards.routerag.routerag_batch_rewards``; feed their output here.
+
+Step-GRPO (R1-Router, Peng et al., 2025, arXiv:2505.22095, Step-GRPO section): each reasoning
+step is its own group, keyed by ``(prompt id, step index)``.
+
+Route-conditioned advantage (PathRouter, Wang et al., 2026, arXiv:2606.16409, path-aware
+advantage scaling)::
+
+    C = [EM > 0 or F1 ≥ 0.5],   P = [EO ≥ θ_P] (θ_P = 0.1)
+    Ã_i = w_{route(C_i, P_i)} · Â_i,   w = (C↑P↑ 1.0, C↑P↓ 0.5, C↓P↑ 0.3, C↓P↓ 1.0)
+
+Correct-but-unsupported answers (shortcuts) are damped, and wrong answers that did find
+evidence are punished less.
+
+Dynamic sampling (DAPO, Yu et al., 2025, arXiv:2503.14476, §3.2): drop groups whose rewards
+are all equal, since they contribute zero advantage and only dilute the token-mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Hashable, Sequence
+
+import torch
+
+GroupIds = Sequence[Hashable] | torch.Tensor
+
+
+class Route(IntEnum):
+    """PathRouter's four trajectory routes (correctness × evidence)."""
+
+    CORRECT_SUPPORTED = 0  # C↑P↑
+    CORRECT_UNSUPPORTED = 1  # C↑P↓ — a shortcut: right answer without the evidence path
+    INCORRECT_SUPPORTED = 2  # C↓P↑ — found evidence, failed to use it
+    INCORRECT_UNSUPPORTED = 3  # C↓P↓
+
+
+# Indexed by Route value.
+PATHROUTER_ROUTE_WEIGHTS: tuple[float, float, float, float] = (1.0, 0.5, 0.3, 1.0)
+
+
+def group_index(group_ids: GroupIds) -> tuple[torch.Tensor, int]:
+    """Map group keys to dense indices ``0..n_groups-1``.
+
+    Sequences of hashable keys are numbered in first-seen order; a tensor of keys in sorted
+    order (``torch.unique``).
+
+    Returns ``(index [batch] long, n_groups)``.
+    """
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.dim() != 1:
+            raise ValueError(f"group_ids must be 1-D, got shape {tuple(group_ids.shape)}")
+        _, index = torch.unique(group_ids, return_inverse=True)
+        return index.long(), int(index.max().item()) + 1 if index.numel() else 0
+    dense: dict[Hashable, int] = {}
+    index_list = [dense.setdefault(key, len(dense)) for key in group_ids]
+    return torch.tensor(index_list, dtype=torch.long), len(dense)
+
+
+def _check_rewards(rewards: torch.Tensor, n: int) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [batch], got shape {tuple(rewards.shape)}")
+    if rewards.shape[0] != n:
+        raise ValueError(f"{rewards.shape[0]} rewards but {n} group ids")
+
+
+def _group_stats(rewards: torch.Tensor, index: torch.Tensor, n_groups: int, unbiased: bool):
+    """Per-sample group mean, std and an 'all rewards equal' flag, computed in float64."""
+    r = rewards.to(torch.float64)
+    index = index.to(r.device)
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(
+        0, index, torch.ones_like(r)
+    )
+    total = torch.zeros_like(count).index_add_(0, index, r)
+    mean = total / count
+    sq_dev = torch.zeros_like(count).index_add_(0, index, (r - mean[index]) ** 2)
+    denom = (count - 1).clamp(min=1) if unbiased else count
+    std = (sq_dev / denom).sqrt()
+    g_max = torch.full_like(count, -torch.inf).scatter_reduce(0, index, r, reduce="amax")
+    g_min = torch.full_like(count, torch.inf).scatter_reduce(0, index, r, reduce="amin")
+    uniform = g_max == g_min
+    return mean[index], std[index], uniform[index]
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: GroupIds,
+    *,
+    eps: float = 1e-6,
+    normalize_by_std: bool = True,
+    unbiased_std: bool = True,
+) -> torch.Tensor:
+    """Group-relative advantages ``[batch]`` from scalar rewards ``[batch]``.
+
+    ``group_ids`` holds one key per rollout (the prompt id). See the module docstring for the
+    Dr.GRPO and std options.
+    """
+    index, n_groups = group_index(group_ids)
+    _check_rewards(rewards, index.shape[0])
+    if rewards.shape[0] == 0:
+        return rewards.clone().float()
+    mean, std, uniform = _group_stats(rewards, index, n_groups, unbiased_std)
+    centred = rewards.to(torch.float64) - mean  # r_i − mean_g(r)
+    if normalize_by_std:
+        advantages = centred / (std + eps)  # (r_i − mean_g r) / (std_g r + ε)
+    else:
+        advantages = centred  # Dr.GRPO: no std division
+    advantages = torch.where(uniform, torch.zeros_like(advantages), advantages)
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return advantages.to(out_dtype)
+
+
+def step_grpo_advantages(
+    rewards: torch.Tensor,
+    prompt_ids: Sequence[Hashable],
+    step_indices: Sequence[int] | torch.Tensor,
+    **grpo_kwargs,
+) -> torch.Tensor:
+    """Step-GRPO: GRPO with one group per ``(prompt id, step index)``.
+
+    ``rewards[i]`` is the reward of step record ``i`` (a router step or an answer step).
+    """
+    steps = step_indices.tolist() if isinstance(step_indices, torch.Tensor) else list(step_indices)
+    if len(steps) != len(prompt_ids):
+        raise ValueError(f"{len(prompt_ids)} prompt ids but {len(steps)} step indices")
+    keys = list(zip(prompt_ids, steps))
+    return grpo_advantages(rewards, keys, **grpo_kwargs)
+
+
+def route_from_flags(correct: torch.Tensor, evidence_supported: torch.Tensor) -> torch.Tensor:
+    """Route id per trajectory (see ``Route``) from boolean C and P tensors ``[batch]``."""
+    c = correct.to(torch.bool)
+    p = evidence_supported.to(torch.bool)
+    return (2 * (~c).long() + (~p).long())  # C↑P↑=0, C↑P↓=1, C↓P↑=2, C↓P↓=3
+
+
+def route_conditioned_advantages(
+    rewards: torch.Tensor,
+    group_ids: GroupIds,
+    correct: torch.Tensor,
+    evidence_supported: torch.Tensor,
+    route_weights: Sequence[float] = PATHROUTER_ROUTE_WEIGHTS,
+    **grpo_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PathRouter: ``Ã = w_route · Â`` with ``Â`` the GRPO advantage.
+
+    Returns ``(advantages [batch], routes [batch] long)``; the routes are for logging.
+    ``route_weights`` is indexed by ``Route`` value.
+    """
+    if len(route_weights) != len(Route):
+        raise ValueError(f"route_weights needs {len(Route)} entries, got {len(route_weights)}")
+    base = grpo_advantages(rewards, group_ids, **grpo_kwargs)  # Â
+    routes = route_from_flags(correct, evidence_supported).to(base.device)
+    weights = torch.tensor(list(route_weights), dtype=base.dtype, device=base.device)
+    return weights[routes] * base, routes  # Ã = w_route · Â
+
+
+def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence advantages ``[batch]`` → token advantages ``[batch, seq]``, zero where masked."""
+    if advantages.dim() != 1 or response_mask.dim() != 2:
+        raise ValueError(
+            f"expected advantages [batch] and mask [batch, seq], got {tuple(advantages.shape)} "
+            f"and {tuple(response_mask.shape)}"
+        )
+    if advantages.shape[0] != response_mask.shape[0]:
+        raise ValueError("advantages and mask disagree on the batch size")
+    return advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)  # A_{i,t} = A_i · m_{i,t}
+
+
+@dataclass(frozen=True)
+class DynamicSamplingResult:
+    """Outcome of ``dynamic_sampling_filter``.
+
+    ``keep`` is a ``[batch]`` bool mask over rollouts; the counts are over groups and samples.
+    """
+
+    keep: torch.Tensor
+    kept_groups: int
+    dropped_groups: int
+    dropped_samples: int
+
+
+def dynamic_sampling_filter(rewards: torch.Tensor, group_ids: GroupIds) -> DynamicSamplingResult:
+    """DAPO dynamic sampling: keep only groups whose rewards are not all equal."""
+    index, n_groups = group_index(group_ids)
+    _check_rewards(rewards, index.shape[0])
+    if rewards.shape[0] == 0:
+        return DynamicSamplingResult(torch.zeros(0, dtype=torch.bool), 0, 0, 0)
+    _, _, uniform = _group_stats(rewards, index, n_groups, unbiased=True)
+    keep = ~uniform
+    dropped_groups = int(torch.unique(index[uniform]).numel())
+    return DynamicSamplingResult(
+        keep=keep,
+        kept_groups=n_groups - dropped_groups,
+        dropped_groups=dropped_groups,
+        dropped_samples=int(uniform.sum().item()),
+    )

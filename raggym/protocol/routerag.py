@@ -1,0 +1,79 @@
+"""RouteRAG dialect (Guo et al., 2025, "RouteRAG: Efficient Retrieval-Augmented Generation from
+Text and Graph via Reinforcement Learning").
+
+The agent reasons in ``<think>…</think>``, retrieves with ``<search> [mode] query </search>`` and
+finishes with ``<answer>…</answer>``; results come back in ``<information>…</information>``. The
+mode tag picks the retriever: ``[passage]`` (dense passages), ``[graph]`` (graph retrieval) or
+both tags, in either order, for hybrid fusion.
+"""
+
+from __future__ import annotations
+
+import re
+
+from raggym.protocol.action import ANSWER, SEARCH
+from raggym.protocol.base import Dialect
+
+# Mode tags are bracketed identifiers at the start of the query. A bracket group that is not an
+# identifier (for example "[1990 film]") ends the mode prefix and belongs to the query.
+_MODE_TAG_RE = re.compile(r"\s*\[([A-Za-z_-]{1,24})\]")
+
+_MODE_BY_TAGS = {
+    frozenset({"passage"}): "passage",
+    frozenset({"graph"}): "graph",
+    frozenset({"graph", "passage"}): "hybrid",
+}
+
+
+class RouteRAGDialect(Dialect):
+    name = "routerag"
+    paper = "RouteRAG"
+    stop_strings = ("</search>", "</answer>")
+    reasoning_blocks = ("think",)
+    action_blocks = {"search": SEARCH, "answer": ANSWER}
+    observation_block = "information"
+    modes = ("passage", "graph", "hybrid")
+    trajectory_pattern = r"(?:tTsSiI)*tTaA"
+
+    def _parse_search(self, content: str):
+        tags: list[str] = []
+        pos = 0
+        while True:
+            m = _MODE_TAG_RE.match(content, pos)
+            if m is None:
+                break
+            tag = m.group(1)
+            if tag not in ("passage", "graph"):
+                return None, None, f"unknown retrieval mode [{tag}]; use [passage], [graph] or [graph][passage]"
+            if tag in tags:
+                return None, None, f"retrieval mode [{tag}] given twice"
+            tags.append(tag)
+            pos = m.end()
+        if not tags:
+            return None, None, "missing retrieval mode; start the query with [passage], [graph] or [graph][passage]"
+        query, error = self._clean_query(content[pos:])
+        if error is not None:
+            return None, None, error
+        return _MODE_BY_TAGS[frozenset(tags)], query, None
+
+    def action_hint(self) -> str:
+        return (
+            "To search, write <search> [passage] your query </search>, or use [graph] or "
+            "[graph][passage] as the mode; to finish, write <answer> your answer </answer>."
+        )
+
+    def instruction_prompt(self, question: str, max_searches: int | None = None, **_: object) -> str:
+        budget = f" You may search at most {max_searches} times." if max_searches else ""
+        return (
+            "Answer the question below, working in turns. Begin every turn by reasoning inside "
+            "<think> and </think>. If you are missing a fact, run one search in that turn: write "
+            "<search>, then a retrieval mode, then your query, then </search>. The modes are "
+            "[passage], which looks up text passages and is cheap; [graph], which follows a "
+            "knowledge graph of entities and their relations and helps to connect facts from "
+            "different documents, at a higher cost; and [graph][passage], which uses both and "
+            "merges their results. For example: <search> [graph] who directed the film "
+            "Inception </search>. The results arrive between <information> and </information>."
+            f"{budget} Once you know the answer, give it inside <answer> and </answer> as a short "
+            "phrase without explanation, for example <answer> Paris </answer>.\n\n"
+            f"Question: {question}\n"
+        )
