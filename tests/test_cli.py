@@ -1,0 +1,58 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments.cli import build_parser, main
+from raggym.data import load_corpus, load_questions
+
+SUBCOMMANDS = ["index", "retrieve", "train", "eval", "serve", "demo", "bench"]
+
+
+def test_console_script_lists_every_subcommand():
+    out = subprocess.run([sys.executable, "-m", "experiments.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS + ["synth"])
+def test_each_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([name, "--help"])
+    assert exc.value.code == 0
+    assert "usage: raggym " + name in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["train", "eval", "serve"])
+def test_pending_subcommands_say_so_and_fail(name, capsys):
+    assert main([name]) == 3
+    err = capsys.readouterr().err
+    assert "not implemented yet" in err and "issue #" in err
+
+
+def test_demo_json_reports_world_statistics(capsys):
+    assert main(["demo", "--json", "--entities", "300"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["entities"] >= 300 and stats["passages"] > stats["entities"] and stats["questions"] == 200
+    assert set(stats["questions_by_kind"]) == {"bridge", "comparison", "single"}
+    assert stats["example_questions"]
+
+
+def test_synth_writes_loadable_files(tmp_path, capsys):
+    assert main(["synth", "--out", str(tmp_path / "w"), "--entities", "120", "--questions", "10", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    corpus = load_corpus(tmp_path / "w" / "corpus.jsonl")
+    assert len(corpus) == stats["passages"]
+    assert len(load_questions(tmp_path / "w" / "questions.jsonl", corpus)) == 10
+
+
+def test_bad_arguments_give_one_line_errors(capsys, tmp_path):
+    assert main(["bench", "no-such-bench"]) == 2
+    assert "no benchmark named 'no-such-bench'" in capsys.readouterr().err
+    assert main(["synth", "--out", str(tmp_path / "x"), "--max-hops", "9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max_hops" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["frobnicate"])
+    assert exc.value.code == 2
