@@ -48,6 +48,7 @@ from raggym.algorithms.spans import (
     loss_mask_from_labels,
     tag_sequence,
     teacher_kl_mask_from_labels,
+    transcript_with_observation_spans,
 )
 
 __all__ = [
@@ -91,4 +92,5 @@ __all__ = [
     "loss_mask_from_labels",
     "tag_sequence",
     "teacher_kl_mask_from_labels",
+    "transcript_with_observation_spans",
 ]

@@ -11,8 +11,9 @@ GRPO (Shao et al., 2024, DeepSeekMath §4.1.2, outcome supervision)::
 where ``g(i)`` is the group of rollouts that share ``i``'s prompt id. A group whose rewards are
 all equal (including a group of one) carries no preference and gets advantage exactly 0.
 
-* ``normalize_by_std=False`` is Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training",
-  §3.1): ``Â_i = r_i − mean_g r``; dividing by the group std over-weights easy and hard prompts.
+* ``normalize_by_std=False`` is Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like
+  Training: A Critical Perspective", arXiv:2503.20783): ``Â_i = r_i − mean_g r``; dividing by
+  the group std over-weights prompts that are nearly always solved or nearly always failed.
 * ``unbiased_std=True`` (the default) uses the sample std (divide by n − 1), as verl and TRL do;
   ``False`` uses the population std (divide by n).
 

@@ -20,7 +20,8 @@ Aggregation over tokens (``aggregation``):
 * ``"seq-mean-token-mean"`` — mean_i (Σ_t L·m / Σ_t m). The GRPO paper's objective (DeepSeekMath
   eq. 3). Sequences with an empty mask are left out of the mean.
 * ``"seq-mean-token-sum"`` — mean_i Σ_t L·m, optionally divided by a constant ``token_sum_norm``
-  (Dr.GRPO, Liu et al., 2025, §3.1, divides by the generation budget instead of the length).
+  (Dr.GRPO, Liu et al., 2025, arXiv:2503.20783, divides by the generation budget instead of
+  the response length).
 
 KL to the frozen reference: ``kl_loss`` adds β·KL to the loss (GRPO); ``kl_penalized_rewards``
 subtracts β·Σ_t KL_t from each sequence reward instead (PPO-style reward penalty). Estimators are
@@ -30,7 +31,7 @@ PathRouter teacher KL (Wang et al., 2026, arXiv:2606.16409, selective teacher di
 
     S_t      = top-K indices of the teacher's logits at position t (K = 128)
     p̃_T, p̃_S = softmax of teacher / student logits restricted to S_t   (renormalised over S_t)
-    KL_t     = Σ_{v ∈ S_t} p̃_T(v) · (log p̃_T(v) − log p̃_S(v))          forward KL(teacher‖student)
+    KL_t     = Σ_{v ∈ S_t} p̃_T(v) · (log p̃_T(v) − log p̃_S(v))     forward KL(teacher‖student)
     KL_i     = mean of KL_t over think and query positions of trajectory i
     L_teach  = λ(step) · mean of KL_i over trajectories with EO_i < θ_P
     λ(step)  = λ̄ · min(1, step / W),   λ̄ = 0.1, W = 20
@@ -180,7 +181,7 @@ def kl_penalized_rewards(
     coef: float,
     kind: str = "k1",
 ) -> torch.Tensor:
-    """KL as a reward penalty: ``r_i − β · Σ_t KL_{i,t} · m_{i,t}`` for sequence rewards ``[batch]``.
+    """KL as a reward penalty on sequence rewards ``[batch]``: ``r_i − β · Σ_t KL_{i,t} · m_{i,t}``.
 
     Computed without gradient: a reward is a constant for the policy update.
     """
@@ -191,7 +192,7 @@ def kl_penalized_rewards(
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution at each position: ``[batch, seq, vocab] → [batch, seq]``."""
+    """Entropy of the softmax at each position: ``[batch, seq, vocab] → [batch, seq]``."""
     log_p = F.log_softmax(logits.float(), dim=-1)
     return -(log_p.exp() * log_p).sum(dim=-1)  # H = −Σ_v p log p
 
@@ -223,20 +224,21 @@ def topk_forward_kl(
     teacher_topk_logits: torch.Tensor,
     teacher_topk_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """Forward KL(teacher ‖ student) over the teacher's top-K support, renormalised: ``[batch, seq]``.
+    """Forward KL(teacher ‖ student) on the teacher's renormalised top-K support: ``[batch, seq]``.
 
     Gradients flow into the student only.
     """
     student_sel = torch.gather(student_logits, -1, teacher_topk_indices).float()
     log_p_teacher = F.log_softmax(teacher_topk_logits.detach().float(), dim=-1)  # log p̃_T on S_t
     log_p_student = F.log_softmax(student_sel, dim=-1)  # log p̃_S on S_t
-    return (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(dim=-1)  # Σ p̃_T log(p̃_T/p̃_S)
+    kl = log_p_teacher.exp() * (log_p_teacher - log_p_student)  # p̃_T log(p̃_T / p̃_S)
+    return kl.sum(dim=-1)  # Σ over S_t
 
 
 def topk_teacher_kl(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 128
 ) -> torch.Tensor:
-    """``topk_forward_kl`` from full teacher logits: ``[batch, seq, vocab]`` ×2 → ``[batch, seq]``."""
+    """``topk_forward_kl`` from full logits: two ``[batch, seq, vocab]`` → ``[batch, seq]``."""
     values, indices = teacher_topk(teacher_logits, k)
     return topk_forward_kl(student_logits, values, indices)
 

@@ -8,16 +8,16 @@ think and query tokens. Both masks come from the labels computed here.
 The tag sets of the six dialects are written out below, independently of ``raggym.protocol``, so
 that this module needs nothing but the text:
 
-=============  ==========================  =============================================  ===================================  ==========
-dialect        think                       query                                          observation                          answer
-=============  ==========================  =============================================  ===================================  ==========
-routerag       ``<think>``                 ``<search>``                                   ``<information>``                    ``<answer>``
-search_r1      ``<think>``                 ``<search>``                                   ``<information>``                    ``<answer>``
-graph_r1       ``<think>``                 ``<query>``                                    ``<knowledge>``                      ``<answer>``
-lws            ``<think>``, ``<reflect>``  ``<search>``                                   ``<information>``                    ``<answer>``
-graphrag_r1    ``<think>``                 ``<|begin_of_query|>…<|end_of_query|>``        ``<|begin_of_documents|>…<|end…|>``  ``<answer>``
-r1_router      ``<think>``                 ``<sub-question>``, ``<ret>``                  (none: documents are in the prompt)  ``<answer>``
-=============  ==========================  =============================================  ===================================  ==========
+* ``routerag``, ``search_r1``: think ``<think>``; query ``<search>``; observation
+  ``<information>``; answer ``<answer>``.
+* ``graph_r1`` (PathRouter): think ``<think>``; query ``<query>``; observation ``<knowledge>``;
+  answer ``<answer>``.
+* ``lws``: think ``<think>`` and ``<reflect>``; query ``<search>``; observation
+  ``<information>``; answer ``<answer>``.
+* ``graphrag_r1``: think ``<think>``; query ``<|begin_of_query|>…<|end_of_query|>``; observation
+  ``<|begin_of_documents|>…<|end_of_documents|>``; answer ``<answer>``.
+* ``r1_router``: think ``<think>``; query ``<sub-question>`` and ``<ret>``; answer ``<answer>``;
+  no observation tag (each step's documents are part of that step's prompt).
 
 Scanning rules (spans never nest):
 
@@ -27,9 +27,9 @@ Scanning rules (spans never nest):
   text. So a missing ``</think>`` can never swallow the observation that follows it.
 * Characters outside every span (whitespace between tags, stray text) are ``OTHER``.
 * ``prompt_chars`` marks the first characters as ``PROMPT``; they are never scanned.
-* ``observation_spans``, when given, are the exact ``(start, end)`` character ranges the
-  environment inserted. They are labelled ``OBSERVATION`` and the dialect's observation tags are
-  then *not* trusted elsewhere: an observation tag the model wrote itself is model output and is
+* ``observation_spans``, when given (``transcript_with_observation_spans`` builds them), are
+  the exact ``(start, end)`` character ranges the environment inserted. They are labelled
+  ``OBSERVATION`` and the dialect's observation tags are then *not* trusted elsewhere: an observation tag the model wrote itself is model output and is
   labelled ``OTHER`` (so it is trained on, not hidden). Spans never cross an observation range.
 
 Token labels come from a tokenizer's offsets mapping (one ``(start, end)`` character range per
@@ -212,6 +212,26 @@ def find_segments(
         pos = e
     segments.extend(_scan(text, model_rules, pos, len(text)))
     return segments
+
+
+def transcript_with_observation_spans(
+    prompt: str, turns: Sequence[tuple[str, str]]
+) -> tuple[str, int, list[tuple[int, int]]]:
+    """Join ``prompt`` and ``(model segment, observation)`` turns into one transcript.
+
+    Returns ``(text, prompt_chars, observation_spans)``: exactly the arguments the labelling
+    functions take, with every character the environment wrote (including the newlines it puts
+    around its observation tags) inside an observation span.
+    """
+    parts, spans, pos = [prompt], [], len(prompt)
+    for segment, observation in turns:
+        parts.append(segment)
+        pos += len(segment)
+        if observation:
+            parts.append(observation)
+            spans.append((pos, pos + len(observation)))
+            pos += len(observation)
+    return "".join(parts), len(prompt), spans
 
 
 def tag_sequence(text: str, dialect: str, prompt_chars: int = 0) -> list[str]:

@@ -48,11 +48,12 @@ from typing import Any, Mapping, Sequence
 
 
 def _tuple_of_str(values: Any) -> tuple[str, ...]:
+    """A tuple of strings; a missing (``None``) element becomes ``""``."""
     if values is None:
         return ()
     if isinstance(values, str):
         return (values,)
-    return tuple(str(v) for v in values)
+    return tuple("" if v is None else str(v) for v in values)
 
 
 def _nested_tuple_of_str(values: Any) -> tuple[tuple[str, ...], ...]:
@@ -156,6 +157,8 @@ class EpisodeOutcome:
 
         queries = pick("queries")
         modes = pick("modes")
+        if modes is not None and all(m is None for m in modes):
+            modes = None  # a dialect without modes
         ids = pick("retrieved_ids")
         texts = pick("retrieved_texts")
         seconds = pick("retrieval_seconds", "total_retrieval_seconds")
@@ -163,10 +166,9 @@ class EpisodeOutcome:
 
         turns = pick("turns")
         if turns is not None and queries is None and ids is None and texts is None:
+            result_keys = ("retrieved_ids", "retrieved_texts", "ids", "texts")
             retrieval_turns = [
-                t
-                for t in turns
-                if any(k in t and t[k] is not None for k in ("retrieved_ids", "retrieved_texts", "ids", "texts"))
+                t for t in turns if any(t.get(k) is not None for k in result_keys)
             ]
             queries = [t.get("query", "") or "" for t in retrieval_turns]
             if any(t.get("mode") is not None for t in retrieval_turns):

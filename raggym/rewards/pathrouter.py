@@ -86,12 +86,10 @@ def pathrouter_reward_terms(
     correct = is_correct(em, f1, config.correct_f1_threshold)
     answered = outcome.answer is not None and not outcome.truncated
 
-    multi_turn = config.multi_turn_bonus if correct and n_retrievals >= config.multi_turn_min_retrievals else 0.0
-    lazy = (
-        config.lazy_penalty
-        if answered and n_retrievals <= config.lazy_max_retrievals and eo < config.evidence_threshold
-        else 0.0
-    )
+    searched_enough = n_retrievals >= config.multi_turn_min_retrievals
+    multi_turn = config.multi_turn_bonus if correct and searched_enough else 0.0
+    shallow = n_retrievals <= config.lazy_max_retrievals and eo < config.evidence_threshold
+    lazy = config.lazy_penalty if answered and shallow else 0.0
     timeout = config.timeout_penalty if outcome.truncated and outcome.answer is None else 0.0
     redundant = config.redundant_penalty * count_redundant_retrievals(
         outcome.retrieved_ids, outcome.retrieved_texts
@@ -111,7 +109,9 @@ def pathrouter_reward_terms(
     }
 
 
-def pathrouter_reward(outcome: EpisodeOutcome, config: PathRouterConfig = PathRouterConfig()) -> float:
+def pathrouter_reward(
+    outcome: EpisodeOutcome, config: PathRouterConfig = PathRouterConfig()
+) -> float:
     """R = F1 + 0.5·EO + r_s."""
     return pathrouter_reward_terms(outcome, config)["total"]
 
@@ -133,7 +133,9 @@ def pathrouter_flags(
     return is_correct(em, f1, config.correct_f1_threshold), eo >= config.evidence_threshold
 
 
-def pathrouter_route(outcome: EpisodeOutcome, config: PathRouterConfig = PathRouterConfig()) -> Route:
+def pathrouter_route(
+    outcome: EpisodeOutcome, config: PathRouterConfig = PathRouterConfig()
+) -> Route:
     return route_of(*pathrouter_flags(outcome, config))
 
 

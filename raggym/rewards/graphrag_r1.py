@@ -1,0 +1,99 @@
+"""GraphRAG-R1 rewards: format, Progressive Retrieval Attenuation (PRA) and Cost-Aware F1 (CAF).
+
+Yu et al., "GraphRAG-R1: Graph Retrieval-Augmented Generation with Process-Constrained
+Reinforcement Learning", 2025, arXiv:2507.23581 — process-constrained rewards (PRA, CAF) and the
+phase-dependent training strategy.
+
+With N the number of retrievals in the trajectory::
+
+    R_format = 0.5 if the trajectory follows the format, else 0
+    PRA:  R_N = R0 · (1 − k^N) / (1 − k)     (k ≠ 1)        R0 = 0.5
+          R_N = R0 · N                        (k = 1)
+          R_0 = 0
+    CAF:  R = F1 · a · exp(−b · N)            a = 2, b = 0.1
+
+Phases: 1 — SFT cold start (no reward); 2 — R_format + PRA; 3 — R_format + CAF.
+
+PRA is a geometric series: each extra retrieval adds R0·k^(N−1), so the first retrievals earn
+the most (against shallow retrieval). The paper states k = 1, which makes PRA linear and
+unbounded in N; raggym defaults to **k = 0.5**, which keeps the same first increment (R0) but
+bounds PRA by R0/(1 − k) = 1, so phase 2 cannot be won by retrieving until the budget runs out.
+Set ``pra_decay=1.0`` for the paper's value.
+
+CAF rewards answer quality (token F1 against the gold answers) and discounts it by e^(−bN) per
+retrieval (against over-thinking / over-retrieving).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from raggym.rewards.metrics import token_f1
+from raggym.rewards.outcome import EpisodeOutcome
+
+
+@dataclass(frozen=True)
+class GraphRAGR1Config:
+    format_reward: float = 0.5
+    pra_initial: float = 0.5  # R0
+    pra_decay: float = 0.5  # k (paper: 1.0)
+    caf_scale: float = 2.0  # a
+    caf_decay: float = 0.1  # b
+
+
+def graphrag_r1_format_reward(format_ok: bool, value: float = 0.5) -> float:
+    """R_format = 0.5 if the format checks, else 0."""
+    return value if format_ok else 0.0
+
+
+def progressive_retrieval_attenuation(n_retrievals: int, r0: float = 0.5, k: float = 0.5) -> float:
+    """PRA: R_N = R0·(1 − k^N)/(1 − k), or R0·N when k = 1; 0 for N = 0."""
+    if n_retrievals < 0:
+        raise ValueError("the number of retrievals cannot be negative")
+    if n_retrievals == 0:
+        return 0.0
+    if k == 1.0:
+        return r0 * n_retrievals  # limit of the geometric sum as k → 1
+    return r0 * (1.0 - k**n_retrievals) / (1.0 - k)  # R_N = R0 (1 − k^N) / (1 − k)
+
+
+def cost_aware_f1(f1: float, n_retrievals: int, a: float = 2.0, b: float = 0.1) -> float:
+    """CAF: F1 · a · exp(−b·N)."""
+    if n_retrievals < 0:
+        raise ValueError("the number of retrievals cannot be negative")
+    return f1 * a * math.exp(-b * n_retrievals)  # R = F1 · a · e^(−bN)
+
+
+def graphrag_r1_phase2_reward(
+    outcome: EpisodeOutcome, config: GraphRAGR1Config = GraphRAGR1Config()
+) -> float:
+    """Phase 2: R_format + PRA(N)."""
+    pra = progressive_retrieval_attenuation(
+        outcome.retrieval_count, config.pra_initial, config.pra_decay
+    )
+    return graphrag_r1_format_reward(outcome.format_ok, config.format_reward) + pra
+
+
+def graphrag_r1_phase3_reward(
+    outcome: EpisodeOutcome, config: GraphRAGR1Config = GraphRAGR1Config()
+) -> float:
+    """Phase 3: R_format + CAF(F1, N)."""
+    f1 = token_f1(outcome.answer, outcome.gold_answers)
+    return graphrag_r1_format_reward(outcome.format_ok, config.format_reward) + cost_aware_f1(
+        f1, outcome.retrieval_count, config.caf_scale, config.caf_decay
+    )
+
+
+def graphrag_r1_batch_rewards(
+    outcomes: Sequence[EpisodeOutcome], phase: int, config: GraphRAGR1Config = GraphRAGR1Config()
+) -> list[float]:
+    """GraphRAG-R1 reward for a batch in phase 2 or 3 (phase 1 is supervised, with no reward)."""
+    if phase == 2:
+        return [graphrag_r1_phase2_reward(o, config) for o in outcomes]
+    if phase == 3:
+        return [graphrag_r1_phase3_reward(o, config) for o in outcomes]
+    if phase == 1:
+        raise ValueError("GraphRAG-R1 phase 1 is the SFT cold start; it has no reward")
+    raise ValueError(f"GraphRAG-R1 has phases 1, 2 and 3, got {phase!r}")
