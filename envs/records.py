@@ -180,6 +180,9 @@ class RouteStepRecord:
     seconds: float = 0.0
     cost: float = 0.0
     format_error: bool = False
+    # Why the output was rejected; differs from action.error when a valid action came in the
+    # wrong phase (an answer where a routing step was due).
+    error: str | None = None
     gold_knowledge_base: str | None = None
     gold_sub_question: str | None = None
     gold_answer: str | None = None
@@ -201,6 +204,7 @@ class RouteStepRecord:
             "seconds": self.seconds,
             "cost": self.cost,
             "format_error": self.format_error,
+            "error": self.error,
             "gold_knowledge_base": self.gold_knowledge_base,
             "gold_sub_question": self.gold_sub_question,
             "gold_answer": self.gold_answer,

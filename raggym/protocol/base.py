@@ -18,7 +18,7 @@ import re
 from typing import Iterable, NamedTuple, Sequence
 
 from raggym.protocol.action import ANSWER, SEARCH, THINK, Action, FormatCheck, invalid
-from raggym.protocol.tags import TAG_TABLE, clean_block, clean_inline, is_blank, scan_tags
+from raggym.protocol.tags import TAG_TABLE, clean_block, clean_inline, is_blank, scan_tags, split_tags
 
 # One letter per tag for trajectory-level format checks: lower case opens, upper case closes.
 # 'x' stands for non-blank text outside every block.
@@ -134,39 +134,54 @@ class Dialect:
         Returns (blocks, stray text pieces, text after the last block, error). Blocks may not nest;
         every tag must belong to this dialect and be written by the model (observation tags are
         the environment's)."""
-        tags = scan_tags(text)
-        if self._transparent:
-            tags = [t for t in tags if t.block not in self._transparent]
+        parts = split_tags(text)
+        if self._transparent and len(parts) > 1:
+            parts = self._merge_transparent(parts)
+        table = TAG_TABLE
         blocks: list[Block] = []
         stray: list[str] = []
-        pos = 0
-        i = 0
-        n = len(tags)
+        between = parts[0]
+        i = 1
+        n = len(parts)
         while i < n:
-            tag = tags[i]
-            if tag.block not in self._writable and tag.block not in self._transparent:
-                if tag.block == self.observation_block:
-                    why = f"{tag.literal} is written by the environment, not the model"
+            literal = parts[i]
+            block, opening = table[literal]
+            if block not in self._writable:
+                if block == self.observation_block:
+                    why = f"{literal} is written by the environment, not the model"
                 else:
-                    why = f"{tag.literal} is not a tag of the {self.name} dialect"
+                    why = f"{literal} is not a tag of the {self.name} dialect"
                 return blocks, stray, "", why
-            if not tag.opening:
-                return blocks, stray, "", f"{tag.literal} closes a block that was never opened"
-            if i + 1 == n:
-                return blocks, stray, "", f"{tag.literal} is never closed"
-            nxt = tags[i + 1]
-            if nxt.block != tag.block or nxt.opening:
-                return blocks, stray, "", f"{nxt.literal} appears inside an open {tag.literal} block"
-            between = text[pos : tag.start]
-            if not is_blank(between):
+            if not opening:
+                return blocks, stray, "", f"{literal} closes a block that was never opened"
+            if i + 2 >= n:
+                return blocks, stray, "", f"{literal} is never closed"
+            closing = parts[i + 2]
+            if table[closing] != (block, False):
+                return blocks, stray, "", f"{closing} appears inside an open {literal} block"
+            if between and not between.isspace():
                 stray.append(between)
-            blocks.append(Block(tag.block, text[tag.end : nxt.start]))
-            pos = nxt.end
-            i += 2
-        tail = text[pos:]
-        if not blocks and not is_blank(tail):
-            stray.append(tail)
-        return blocks, stray, tail, None
+            blocks.append(Block(block, parts[i + 1]))
+            between = parts[i + 3]
+            i += 4
+        if not blocks and between and not between.isspace():
+            stray.append(between)
+        return blocks, stray, between, None
+
+    def _merge_transparent(self, parts: list[str]) -> list[str]:
+        """Fold transparent tags back into the surrounding text."""
+        merged: list[str] = []
+        text_run = [parts[0]]  # joined once per run: repeated += would be quadratic
+        for j in range(1, len(parts), 2):
+            if TAG_TABLE[parts[j]][0] in self._transparent:
+                text_run.append(parts[j])
+                text_run.append(parts[j + 1])
+            else:
+                merged.append("".join(text_run))
+                merged.append(parts[j])
+                text_run = [parts[j + 1]]
+        merged.append("".join(text_run))
+        return merged
 
     def _reasoning(self, blocks: Iterable[Block], stray: Sequence[str]) -> str:
         parts = [b.content for b in blocks if b.name in self.reasoning_blocks]
@@ -275,7 +290,16 @@ class Dialect:
         depth = 0
         pos = 0
         open_at: list[tuple[str, int]] = []
+        observation_end: int | None = None
         for tag in tags:
+            # Observation bodies are retrieved text and error hints; tag-like text inside them
+            # (a passage quoting "<answer>", the hint showing the search syntax) is not structure.
+            if observation_end is not None:
+                if not (tag.block == self.observation_block and not tag.opening):
+                    continue
+                observation_end = None
+            elif tag.block == self.observation_block and tag.opening:
+                observation_end = tag.end
             if depth == 0 and not is_blank(trajectory[pos : tag.start]):
                 letters.append("x")
             letter = _BLOCK_LETTER[tag.block]

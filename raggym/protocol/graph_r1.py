@@ -30,7 +30,7 @@ class GraphR1Dialect(Dialect):
         if stripped.startswith("{") and stripped.endswith("}") and len(stripped) <= self.max_query_chars:
             try:
                 payload = json.loads(stripped)
-            except ValueError:  # not JSON after all: the braces are part of a plain query
+            except (ValueError, RecursionError):  # not JSON after all: braces in a plain query
                 payload = None
             if isinstance(payload, dict):
                 inner = payload.get("query")

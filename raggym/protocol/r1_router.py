@@ -126,9 +126,9 @@ class R1RouterDialect(Dialect):
             "the knowledge base best suited to it. Reason first inside <think> and </think> "
             "without guessing the answer, then write the sub-question between <sub-question> and "
             f"</sub-question> and the knowledge base between <ret> and </ret>, chosen from: {kbs}. "
-            "Text suits general facts, tables suit numbers and records, and image descriptions "
-            "suit questions about what something looks like. If the sub-questions answered so far "
-            "are enough to answer the original question, write <sub-question>None</sub-question>"
+            "Choose by the kind of content the sub-question needs, for example tables for numbers "
+            "and records. If the sub-questions answered so far are enough to answer the original "
+            "question, write <sub-question>None</sub-question>"
             "<ret>None</ret>.\n\n" + _history_text(question, history)
         )
 

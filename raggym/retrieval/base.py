@@ -33,18 +33,23 @@ class QueryResult:
     # Facts the graph mode linked the query to, as (subject, relation, object, score); empty for
     # passage mode. GraphRAG-R1 observations mix these with passages.
     facts: list[tuple[str, str, str, float]] = field(default_factory=list)
+    # Why a query produced no hits (empty, too long, not valid UTF-8); None when it was served.
+    error: str | None = None
 
     @property
     def ids(self) -> list[str]:
         return [h.id for h in self.hits]
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "query": self.query,
             "hits": [h.as_dict() for h in self.hits],
             "seconds": float(self.seconds),
             "cost": float(self.cost),
         }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 def check_mode(mode: str) -> str:

@@ -1,0 +1,287 @@
+"""Hugging Face transformers engine: batched sampling with a KV cache, on CPU or GPU.
+
+It runs its own decode loop instead of ``model.generate`` because the rollout loop needs three
+things ``generate`` does not give directly: the log-probability of every sampled token under the
+distribution it was actually drawn from, a per-prompt random stream (so a seed reproduces a
+prompt's sample whatever else is in the batch), and stop strings that end the continuation at the
+exact token that completed them, with the sampled ids kept as they are.
+
+The loop:
+
+1. left-pad the prompts (padding never sits between a prompt and its continuation), with
+   ``position_ids`` counted over real tokens only, and prefill the cache in one forward pass;
+2. each step: scale the last logits by ``1/temperature``, apply top-k and top-p, take
+   ``log_softmax`` (these are the reported logprobs), and sample with the exponential race
+   (``argmax_v p_v / E_v``, ``E_v ~ Exp(1)`` from the prompt's own generator), which draws exactly
+   from ``p``;
+3. a prompt finishes on an EOS id, on a stop string newly present in its decoded continuation,
+   or at ``max_new_tokens``; finished prompts are dropped from the batch and from the KV cache,
+   so long stragglers do not pay for short ones.
+
+Stop strings are matched in ``tokenizer.decode(ids, skip_special_tokens=False)`` of the
+continuation (not the prompt), checking only the last few tokens each step: a stop string of
+``n`` UTF-8 bytes is covered by at most ``n`` tokens, and a margin of 4 tokens keeps partial
+characters and leading-space handling at the window's edge from hiding a match.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from actors.engines.base import GenerationResult, SamplingParams, check_prompts, derive_seed
+from actors.weight_sync import WeightSyncGroup, named_tensors_of
+
+_STOP_WINDOW_MARGIN = 4
+
+
+def _eos_ids(model, tokenizer, extra: Sequence[int] | None) -> set[int]:
+    ids: set[int] = set(int(i) for i in (extra or ()))
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update(int(i) for i in (source if isinstance(source, (list, tuple)) else [source]))
+    return ids
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution to sample from: ``[batch, vocab]`` float32.
+
+    temperature scaling, then top-k, then top-p (nucleus; the most likely token is always kept),
+    then ``log_softmax`` so the kept tokens are renormalised. Greedy returns ``log_softmax(logits)``.
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / sampling.temperature  # z / T
+    if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
+        drop_sorted = mass_before >= sampling.top_p  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+class HFEngine:
+    """Token-in/token-out generation with a transformers causal LM (see the module docstring).
+
+    ``model`` is a spec for ``raggym.models.load_policy`` (``"smollm2-135m"``, a local dir, a hub
+    id) or an already-loaded ``PreTrainedModel``, in which case ``tokenizer`` is required.
+    """
+
+    kind = "hf"
+
+    def __init__(
+        self,
+        model="smollm2-135m",
+        tokenizer=None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        weight_version: int = 0,
+    ):
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if isinstance(model, str):
+            from raggym.models import load_policy
+
+            model, tokenizer = load_policy(model, dtype=dtype, device=device)
+        elif tokenizer is None:
+            raise ValueError("HFEngine needs the tokenizer when it is given a loaded model")
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.eos_token_ids = _eos_ids(model, tokenizer, eos_token_ids)
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = min(self.eos_token_ids) if self.eos_token_ids else 0
+        self.pad_token_id = int(pad)
+        self.weight_version = int(weight_version)
+        self._sync_group: WeightSyncGroup | None = None
+
+    # ------------------------------------------------------------------ generation
+
+    def _generators(self, sampling: SamplingParams, n: int) -> list[torch.Generator] | None:
+        if sampling.seed is None or sampling.greedy:
+            return None
+        gens = []
+        for i in range(n):
+            g = torch.Generator(device=self.device)
+            g.manual_seed(derive_seed(sampling.seed, i))
+            gens.append(g)
+        return gens
+
+    @staticmethod
+    def _draw(logp: torch.Tensor, gens: list[torch.Generator] | None) -> torch.Tensor:
+        # Exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) is a draw from p. In log space,
+        # argmax_v (log p_v − log E_v); tokens with p = 0 (log p = −inf) can never win.
+        if gens is None:
+            noise = torch.empty_like(logp).exponential_()
+        else:
+            noise = torch.stack([torch.empty(logp.shape[-1], device=logp.device).exponential_(generator=g) for g in gens])
+        return torch.argmax(logp - noise.log(), dim=-1)
+
+    def _matched_stop(self, ids: list[int], stop_strings: Sequence[str], window: int) -> str | None:
+        text = self.tokenizer.decode(ids[-window:], skip_special_tokens=False)
+        for s in stop_strings:
+            if s in text:
+                return s
+        return None
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        max_new_tokens: int = 256,
+    ) -> list[GenerationResult]:
+        """Sample one continuation per prompt; see ``actors.engines.base`` for the result's meaning."""
+        from transformers import DynamicCache
+
+        prompts = check_prompts(prompt_token_ids, max_new_tokens)
+        if not prompts:
+            return []
+        sampling = sampling or SamplingParams()
+        stop_strings = [s for s in stop_strings if s]
+        window = max((len(s.encode("utf-8")) for s in stop_strings), default=0) + _STOP_WINDOW_MARGIN
+        n, dev = len(prompts), self.device
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p) :] = 1
+        input_ids, attention = input_ids.to(dev), attention.to(dev)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # count real tokens only
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]
+        next_position = positions[:, -1] + 1
+        gens = self._generators(sampling, n)
+
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str] = ["length"] * n
+        matched: list[str | None] = [None] * n
+        active = list(range(n))  # prompt index of each row still in the batch
+
+        for _ in range(max_new_tokens):
+            logp = process_logits(logits, sampling)
+            if sampling.greedy:
+                tokens = torch.argmax(logp, dim=-1)
+            else:
+                tokens = self._draw(logp, None if gens is None else [gens[i] for i in active])
+            reported = logp if sampling.logprobs_mode == "processed" else torch.log_softmax(logits.float(), dim=-1)
+            token_lp = reported.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+            tokens_list = tokens.tolist()
+
+            keep_rows = []
+            for row, i in enumerate(active):
+                tok = tokens_list[row]
+                ids[i].append(tok)
+                lps[i].append(float(token_lp[row]))
+                if tok in self.eos_token_ids:
+                    finish[i] = "eos"
+                elif stop_strings and (hit := self._matched_stop(ids[i], stop_strings, window)) is not None:
+                    finish[i], matched[i] = "stop", hit
+                elif len(ids[i]) >= max_new_tokens:
+                    finish[i] = "length"
+                else:
+                    keep_rows.append(row)
+            if not keep_rows:
+                break
+            if len(keep_rows) < len(active):
+                keep = torch.tensor(keep_rows, dtype=torch.long, device=dev)
+                cache.batch_select_indices(keep)
+                attention, next_position, tokens = attention[keep], next_position[keep], tokens[keep]
+                active = [active[r] for r in keep_rows]
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=-1)
+            out = self.model(
+                input_ids=tokens[:, None], attention_mask=attention, position_ids=next_position[:, None],
+                past_key_values=cache, use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+            next_position = next_position + 1
+
+        return [
+            GenerationResult(
+                token_ids=ids[i], logprobs=lps[i], finish_reason=finish[i], stop_string=matched[i],
+                weight_version=self.weight_version,
+                text=self.tokenizer.decode(ids[i], skip_special_tokens=False),
+            )
+            for i in range(n)
+        ]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors, version: int | None = None, *, strict: bool = True) -> int:
+        """Copy new values into the model's parameters in place; returns the new weight version.
+
+        ``named_tensors`` is ``FlatWeights``, a state-dict-like mapping or ``(name, tensor)`` pairs
+        with the model's own parameter names (tied weights may come under either name). The
+        version is ``version`` if given, else the one ``FlatWeights`` carries, else the old one + 1.
+        With ``strict`` every parameter must be covered and every name must exist.
+        """
+        pairs, carried = named_tensors_of(named_tensors)
+        targets = self.model.state_dict(keep_vars=True)
+        loaded: set[int] = set()
+        unknown: list[str] = []
+        with torch.no_grad():
+            for name, tensor in pairs:
+                target = targets.get(name)
+                if target is None:
+                    unknown.append(name)
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+                target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+                loaded.add(id(target))
+        if strict:
+            missing = [n for n, p in self.model.named_parameters() if id(p) not in loaded]
+            if unknown or missing:
+                raise KeyError(f"weight update does not match the model: unknown={unknown[:5]} missing={missing[:5]}")
+        self.weight_version = int(version if version is not None else carried if carried is not None else self.weight_version + 1)
+        return self.weight_version
+
+    def load_state_dict(self, state_dict, version: int | None = None) -> int:
+        return self.update_weights(state_dict, version)
+
+    # collective path: one rank per HF engine
+    sync_ranks = 1
+
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> None:
+        """Join a ``WeightSyncGroup`` as rank ``rank_offset`` (blocks until all ranks join)."""
+        device = self.device if backend == "nccl" else "cpu"
+        self._sync_group = WeightSyncGroup(host, port, rank_offset, world_size, backend=backend, device=device)
+
+    def receive_weights(self) -> int:
+        """Receive one broadcast from the group's rank 0 and load it; returns the new version."""
+        if self._sync_group is None:
+            raise RuntimeError("call init_weight_sync before receive_weights")
+        version, tensors = self._sync_group.receive()
+        return self.update_weights(tensors, version)
+
+    def info(self) -> dict:
+        return {
+            "kind": self.kind,
+            "device": str(self.device),
+            "dtype": str(next(self.model.parameters()).dtype),
+            "weight_version": self.weight_version,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+
+__all__ = ["HFEngine", "process_logits"]

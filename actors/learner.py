@@ -1,0 +1,900 @@
+"""DeepSpeed policy learner and the data-parallel group that drives K of them (RLlib's split).
+
+``Learner`` (one process, one data-parallel rank) owns the trainable policy inside a DeepSpeed
+engine, an optional frozen reference model (KL anchor, and the PathRouter teacher that sees the
+gold evidence), and turns a batch of token sequences into policy updates with the loss functions
+of ``raggym.algorithms.losses`` — it implements no loss itself. ``LearnerGroup`` (the driver side)
+starts K ``Learner`` Ray actors, wires their torch.distributed process group (gloo on CPU, NCCL on
+GPU), shards each batch across them, averages their metrics and hands the new weights to the
+rollout workers. As in RLlib, the Learner computes losses and applies updates; the LearnerGroup
+does the distribution; neither knows about environments.
+
+Batch format (``TrainBatch``, a dict of tensors, sequences right-padded to one length ``T``)::
+
+    token_ids        [N, T] long   prompt + response (+ observations) of each trajectory
+    attention_mask   [N, T]        1 on real tokens
+    loss_mask        [N, T]        1 on tokens the policy generated and is trained on
+    advantages       [N] or [N, T]
+    old_logprobs     [N, T]        optional: log π_old(token_t | tokens_<t); default: computed
+                                   here from the current weights before the first update
+                                   (the on-policy ratio is then exactly 1 on the first mini-batch)
+    ref_logprobs     [N, T]        optional: computed with the reference model when KL is on
+    # PathRouter teacher KL (only when loss.teacher_kl is on):
+    teacher_token_ids       [N, T']  the teacher's input: gold evidence + the same trajectory
+    teacher_attention_mask  [N, T']
+    teacher_positions       [N, T]   long: index in the teacher sequence of student token t, or −1
+    teacher_kl_mask         [N, T]   1 on think and query tokens (``spans.teacher_kl_mask_from_labels``)
+    evidence_overlap        [N]      EO of each trajectory
+
+Every per-token tensor is aligned to ``token_ids``: entry ``t`` is about token ``t``, predicted
+from the logits at ``t − 1``; position 0 is never trained. ``make_train_batch`` builds one from
+Python lists.
+
+Update schedule (one ``update`` call = one policy version)::
+
+    for epoch in range(ppo_epochs):                              # PPO epochs
+        for mini-batch of mini_batch_size sequences (global):     # one optimizer step each
+            for micro-batch of micro_batch_size (per rank):       # gradient accumulation
+                loss = weight · [clipped PG + β·KL(π‖π_ref) − c_H·H] (+ teacher KL)
+                engine.backward(loss); engine.step()              # steps at the GA boundary
+
+``weight`` makes the accumulated, data-parallel-averaged gradient equal the gradient of the
+*mini-batch* loss under the chosen aggregation: with ``token-mean`` every trainable token of the
+global mini-batch counts once (DAPO's token-level loss), not once per micro-batch mean. Each
+micro-batch loss is ``Σ L / n_micro``; multiplying it by ``n_micro · K · GA / n_global`` (the
+global trainable-token count, one all-reduce per mini-batch) and letting DeepSpeed divide by GA
+and average over K ranks leaves ``Σ_global L / n_global``. The seq-mean aggregations use the
+number of non-empty sequences instead of tokens. The teacher KL term is a per-micro-batch mean.
+
+Logits are divided by ``temperature`` before every log-probability, so ``compute_logprobs`` with
+the rollout temperature reproduces the engine's ``processed`` logprobs (top-k/top-p off).
+
+CPU notes: fp32, gloo, plain ``torch.optim.AdamW`` (DeepSpeed's CPU Adam needs a compiled op).
+DeepSpeed's CPU shared-memory all-reduce op (an inference-only speed-up) costs a ~2 minute C++
+build on first use, so it is switched off unless ``cpu_shm_comm=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import torch
+
+from raggym.algorithms.losses import (
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    clipped_policy_loss,
+    entropy_from_logits,
+    kl_loss,
+    selective_teacher_kl_loss,
+    teacher_kl_weight,
+    teacher_topk,
+    topk_forward_kl,
+)
+
+TrainBatch = dict[str, torch.Tensor]
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimizerConfig:
+    """``torch.optim.AdamW`` settings."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class LoraSettings:
+    """peft LoRA settings (GraphRAG-R1 uses r = 16, alpha = 32)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which terms of ``raggym.algorithms.losses`` make up the loss, and their coefficients."""
+
+    clip_low: float = 0.2  # ε (PPO) or ε_low (DAPO)
+    clip_high: float | None = None  # ε_high (DAPO: 0.28); None = symmetric
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    token_sum_norm: float | None = None  # Dr.GRPO's constant for seq-mean-token-sum
+    kl_coef: float = 0.0  # β of the KL-to-reference loss term (GRPO: 0.001–0.04)
+    kl_kind: str = "low_var_kl"  # k1 | k2 | k3 (= low_var_kl)
+    entropy_coef: float = 0.0  # c_H; the entropy is always logged
+    teacher_kl: bool = False  # PathRouter selective teacher KL
+    teacher_top_k: int = 128
+    evidence_threshold: float = 0.1  # θ_P
+    teacher_max_weight: float = 0.1  # λ̄
+    teacher_warmup_steps: int = 20  # W
+
+
+@dataclass
+class LearnerConfig:
+    model: str = "smollm2-135m"  # any raggym model spec
+    zero_stage: int = 2  # 0 (plain DDP-style) … 3
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gradient_checkpointing: bool = False
+    lora: LoraSettings | None = None
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    grad_clip: float = 1.0
+    micro_batch_size: int = 2  # sequences per rank per forward/backward
+    mini_batch_size: int = 8  # sequences per optimizer step, over all ranks
+    ppo_epochs: int = 1
+    temperature: float = 1.0  # rollout temperature: logits are divided by it
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    reference_model: bool | None = None  # None: load one iff KL or teacher KL needs it
+    shuffle: bool = True  # shuffle sequences into mini-batches each epoch
+    seed: int = 0
+    cpu_shm_comm: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | "LearnerConfig" | None) -> "LearnerConfig":
+        """Build from a plain (e.g. OmegaConf/YAML) mapping; unknown keys are an error."""
+        if data is None:
+            return cls()
+        if isinstance(data, cls):
+            return data
+        return _from_mapping(cls, data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def needs_reference(self) -> bool:
+        if self.reference_model is not None:
+            return bool(self.reference_model)
+        return self.loss.kl_coef > 0 or self.loss.teacher_kl
+
+
+_NESTED = {"optimizer": OptimizerConfig, "loss": PolicyLossConfig, "lora": LoraSettings}
+
+
+def _from_mapping(cls, data: Mapping[str, Any]):
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}; known: {sorted(known)}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = _NESTED.get(key) if cls is LearnerConfig else None
+        if sub is not None and value is not None and not is_dataclass(value):
+            value = _from_mapping(sub, value)
+        if key in ("betas", "target_modules") and value is not None:
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+# ---------------------------------------------------------------------------------------------
+
+_REQUIRED = ("token_ids", "attention_mask", "loss_mask", "advantages")
+_TEACHER = ("teacher_token_ids", "teacher_attention_mask", "teacher_positions", "teacher_kl_mask", "evidence_overlap")
+
+
+def make_train_batch(
+    token_ids: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    advantages: Sequence[float] | Sequence[Sequence[float]],
+    old_logprobs: Sequence[Sequence[float]] | None = None,
+    pad_token_id: int = 0,
+) -> TrainBatch:
+    """Right-pad Python lists into a ``TrainBatch`` (token-level advantages are padded with 0)."""
+    n = len(token_ids)
+    if not (len(loss_masks) == len(advantages) == n) or (old_logprobs is not None and len(old_logprobs) != n):
+        raise ValueError("token_ids, loss_masks, advantages (and old_logprobs) need one entry per sequence")
+    width = max(len(t) for t in token_ids)
+    ids = torch.full((n, width), int(pad_token_id), dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.float32)
+    for i, (t, m) in enumerate(zip(token_ids, loss_masks)):
+        if len(m) != len(t):
+            raise ValueError(f"sequence {i}: {len(t)} tokens but {len(m)} loss-mask entries")
+        ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
+        attn[i, : len(t)] = 1
+        mask[i, : len(t)] = torch.tensor(list(m), dtype=torch.float32)
+    batch: TrainBatch = {"token_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    if advantages and isinstance(advantages[0], (list, tuple)):
+        adv = torch.zeros((n, width), dtype=torch.float32)
+        for i, a in enumerate(advantages):
+            adv[i, : len(a)] = torch.tensor(list(a), dtype=torch.float32)
+        batch["advantages"] = adv
+    else:
+        batch["advantages"] = torch.tensor([float(a) for a in advantages], dtype=torch.float32)
+    if old_logprobs is not None:
+        old = torch.zeros((n, width), dtype=torch.float32)
+        for i, lp in enumerate(old_logprobs):
+            old[i, : len(lp)] = torch.tensor(list(lp), dtype=torch.float32)
+        batch["old_logprobs"] = old
+    return batch
+
+
+def batch_size_of(batch: TrainBatch) -> int:
+    return int(batch["token_ids"].shape[0])
+
+
+def slice_batch(batch: TrainBatch, index: torch.Tensor | slice) -> TrainBatch:
+    return {k: v[index] for k, v in batch.items()}
+
+
+def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
+    """Split along the sequence axis into ``num_shards`` equal contiguous shards."""
+    n = batch_size_of(batch)
+    if n % num_shards:
+        raise ValueError(f"a batch of {n} sequences does not split evenly over {num_shards} learners")
+    per = n // num_shards
+    return [slice_batch(batch, slice(r * per, (r + 1) * per)) for r in range(num_shards)]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` log-probabilities of ``token_ids`` under ``logits`` of the same positions' predecessors.
+
+    ``logits`` is ``[B, T, V]`` straight from the model (position ``t`` predicts token ``t+1``);
+    entry 0 of the result is 0 (no prediction for the first token).
+    """
+    shifted = logits[:, :-1].float()
+    targets = token_ids[:, 1:].unsqueeze(-1)
+    lp = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)  # log softmax at the target
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # works for left or right padding
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed setup helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _disable_cpu_shm_comm() -> None:
+    # DeepSpeed builds a C++ shared-memory all-reduce op when its comm backend starts on CPU; it
+    # only speeds up inference all-reduce, and the first build takes minutes. deepspeed.ops keeps
+    # the probed op table in a module-level dict meant to be edited; marking the op incompatible
+    # makes DeepSpeed fall back to plain torch.distributed collectives.
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_torch_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
+    """Join (or create) the default process group through DeepSpeed's comm layer."""
+    import deepspeed
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR=str(master_addr), MASTER_PORT=str(master_port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+    )
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
+                f"not {rank}/{world_size}"
+            )
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, distributed_port=int(master_port), verbose=False,
+        init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Learner
+# ---------------------------------------------------------------------------------------------
+
+
+class Learner:
+    """One data-parallel rank of policy training on DeepSpeed (see the module docstring).
+
+    ``Learner(config)`` alone is a complete single-process learner (world size 1, a private gloo
+    or NCCL group on a free local port). ``LearnerGroup`` constructs K of them with
+    ``setup=False`` and calls ``setup`` on all at once with rank 0's address.
+    """
+
+    def __init__(
+        self,
+        config: LearnerConfig | Mapping[str, Any] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        setup: bool = True,
+    ):
+        self.config = LearnerConfig.from_dict(config)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.version = 0  # bumped after every update(); rollouts record it
+        self.engine = None
+        self.reference = None
+        self._sync_group = None
+        if setup:
+            self.setup(master_addr, master_port)
+
+    # ------------------------------------------------------------------ setup
+
+    def master_endpoint(self) -> tuple[str, int]:
+        """Address and a free port on this node, for rank 0 to host the process group."""
+        from actors.weight_sync import node_address, pick_free_port
+
+        return node_address(), pick_free_port()
+
+    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict:
+        """Join the process group, load the policy (and reference), build the DeepSpeed engine."""
+        import deepspeed
+
+        cfg = self.config
+        device = cfg.resolved_device()
+        if master_addr is None or master_port is None:
+            if self.world_size != 1:
+                raise ValueError("a learner in a group of more than one needs master_addr and master_port")
+            master_addr, master_port = self.master_endpoint()
+        if device == "cpu" and not cfg.cpu_shm_comm:
+            _disable_cpu_shm_comm()
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        init_torch_distributed(self.rank, self.world_size, master_addr, int(master_port), "nccl" if device == "cuda" else "gloo")
+        torch.manual_seed(cfg.seed)
+
+        if cfg.mini_batch_size % self.world_size:
+            raise ValueError(f"mini_batch_size {cfg.mini_batch_size} must be a multiple of the {self.world_size} learners")
+        per_rank = cfg.mini_batch_size // self.world_size
+        if per_rank % cfg.micro_batch_size:
+            raise ValueError(
+                f"per-learner mini-batch {per_rank} (mini_batch_size / learners) must be a multiple of "
+                f"micro_batch_size {cfg.micro_batch_size}"
+            )
+        if cfg.loss.aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"unknown loss aggregation {cfg.loss.aggregation!r}; expected one of {LOSS_AGGREGATIONS}")
+        self.grad_accum = per_rank // cfg.micro_batch_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        dtype = cfg.resolved_dtype()
+
+        from raggym.models import load_policy
+
+        # Weights load in fp32; DeepSpeed casts to bf16 and keeps fp32 master copies itself.
+        model, self.tokenizer = load_policy(cfg.model, dtype=torch.float32, device="cpu")
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        if cfg.lora is not None:
+            model = _apply_lora(model, cfg.lora, cfg.zero_stage)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = cfg.optimizer
+        optimizer = torch.optim.AdamW(trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        self.ds_config = self._deepspeed_config(dtype)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+
+        if cfg.needs_reference():
+            ref, _ = load_policy(cfg.model, dtype=torch.float32, device="cpu")
+            ref.requires_grad_(False)
+            if cfg.zero_stage == 3:
+                # Partition the frozen copy too, so it costs 1/K of a model per rank.
+                ref_config = {k: v for k, v in self.ds_config.items() if k not in ("gradient_clipping",)}
+                self.reference, *_ = deepspeed.initialize(model=ref, config=ref_config)
+            else:
+                self.reference = ref.to(device=self.device, dtype=dtype)
+            self.reference.eval()
+        return self.info()
+
+    def _deepspeed_config(self, dtype: torch.dtype) -> dict:
+        cfg = self.config
+        zero: dict[str, Any] = {"stage": int(cfg.zero_stage)}
+        if cfg.zero_stage == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+        return {
+            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+            "train_batch_size": cfg.micro_batch_size * self.grad_accum * self.world_size,
+            "gradient_clipping": cfg.grad_clip,
+            "zero_optimization": zero,
+            "bf16": {"enabled": dtype == torch.bfloat16},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+
+    def info(self) -> dict:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "zero_stage": self.config.zero_stage,
+            "dtype": str(self.config.resolved_dtype()),
+            "grad_accum": self.grad_accum,
+            "version": self.version,
+            "reference_model": self.reference is not None,
+            "trainable_parameters": sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+            if self.config.zero_stage != 3 else sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters() if p.requires_grad),
+        }
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _forward(self, model, token_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        ids = token_ids.to(self.device)
+        attn = attention_mask.to(self.device)
+        return model(input_ids=ids, attention_mask=attn, position_ids=_position_ids(attn), use_cache=False).logits
+
+    @torch.no_grad()
+    def _logprobs_with(self, model, token_ids, attention_mask, micro_batch_size) -> torch.Tensor:
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        attention_mask = torch.ones_like(token_ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        chunk = micro_batch_size or self.config.micro_batch_size
+        out = []
+        for start in range(0, token_ids.shape[0], chunk):
+            ids, attn = token_ids[start : start + chunk], attention_mask[start : start + chunk]
+            logits = self._forward(model, ids, attn).float() / self.config.temperature  # z / T
+            out.append(token_logprobs(logits, ids.to(self.device)).cpu() * attn.to(torch.float32))
+        return torch.cat(out) if out else torch.zeros(token_ids.shape, dtype=torch.float32)
+
+    def compute_logprobs(self, token_ids, attention_mask=None, micro_batch_size: int | None = None) -> torch.Tensor:
+        """``[N, T]`` current-policy log π(token_t | tokens_<t) at ``temperature`` (0 at t = 0 and on padding)."""
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            return self._logprobs_with(self.engine, token_ids, attention_mask, micro_batch_size)
+        finally:
+            self.engine.train(was_training)
+
+    def compute_ref_logprobs(self, token_ids, attention_mask=None, micro_batch_size: int | None = None) -> torch.Tensor:
+        if self.reference is None:
+            raise RuntimeError("this learner has no reference model (set reference_model=True or a KL coefficient)")
+        return self._logprobs_with(self.reference, token_ids, attention_mask, micro_batch_size)
+
+    @torch.no_grad()
+    def _teacher_topk(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher top-K logits/indices aligned to student token positions: ``[N, T, K]`` each."""
+        if self.reference is None:
+            raise RuntimeError("teacher KL needs the reference model")
+        k = self.config.loss.teacher_top_k
+        n, t = batch["token_ids"].shape
+        values = torch.zeros((n, t, k), dtype=torch.float32)
+        indices = torch.zeros((n, t, k), dtype=torch.long)
+        chunk = self.config.micro_batch_size
+        for start in range(0, n, chunk):
+            sl = slice(start, start + chunk)
+            logits = self._forward(self.reference, batch["teacher_token_ids"][sl], batch["teacher_attention_mask"][sl])
+            pos = batch["teacher_positions"][sl].to(self.device).long()
+            # Student token t is teacher token pos[t]; the teacher predicts it from position pos[t] − 1.
+            src = (pos - 1).clamp(min=0)
+            picked = logits.gather(1, src.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            v, i = teacher_topk(picked, k)
+            values[sl], indices[sl] = v.float().cpu(), i.cpu()
+        return values, indices
+
+    # ------------------------------------------------------------------ update
+
+    def _count(self, batch: TrainBatch) -> torch.Tensor:
+        """What the aggregation normalises by: trainable tokens, or sequences with any."""
+        mask = batch["loss_mask"].float().clone()
+        mask[:, 0] = 0
+        if self.config.loss.aggregation == "token-mean":
+            return mask.sum()
+        return (mask.sum(-1) > 0).float().sum()
+
+    def _micro_loss(self, mb: TrainBatch, weight: float, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        lc = self.config.loss
+        logits = self._forward(self.engine, mb["token_ids"], mb["attention_mask"])
+        ids = mb["token_ids"].to(self.device)
+        mask = mb["loss_mask"].to(self.device, torch.float32).clone()
+        mask[:, 0] = 0  # nothing predicts the first token
+        scaled = logits.float() / self.config.temperature  # z / T
+        log_probs = token_logprobs(scaled, ids)
+        old = mb["old_logprobs"].to(self.device, torch.float32)
+        adv = mb["advantages"].to(self.device, torch.float32)
+
+        pg, pg_stats = clipped_policy_loss(
+            log_probs, old, adv, mask, clip_low=lc.clip_low, clip_high=lc.clip_high,
+            aggregation=lc.aggregation, token_sum_norm=lc.token_sum_norm,
+        )
+        loss = pg
+        stats = {"pg_loss": pg.item(), **{k: float(v) for k, v in pg_stats.items()}}
+        if lc.kl_coef > 0:
+            ref = mb["ref_logprobs"].to(self.device, torch.float32)
+            kl = kl_loss(log_probs, ref, mask, kind=lc.kl_kind, aggregation=lc.aggregation)
+            loss = loss + lc.kl_coef * kl  # + β·KL(π_θ ‖ π_ref)
+            stats["kl_loss"] = kl.item()
+        with torch.set_grad_enabled(lc.entropy_coef > 0):
+            entropy_tok = torch.nn.functional.pad(entropy_from_logits(scaled[:, :-1]), (1, 0))
+            entropy = aggregate_loss(entropy_tok, mask, lc.aggregation)
+        if lc.entropy_coef > 0:
+            loss = loss - lc.entropy_coef * entropy  # − c_H·H
+        stats["entropy"] = entropy.item()
+        loss = loss * weight
+        if lc.teacher_kl:
+            student = torch.nn.functional.pad(logits[:, :-1], (0, 0, 1, 0))  # logits that predict token t
+            per_pos = topk_forward_kl(student, mb["teacher_topk_values"].to(self.device), mb["teacher_topk_indices"].to(self.device))
+            span = mb["teacher_kl_mask"].to(self.device, torch.float32) * (mb["teacher_positions"].to(self.device) > 0).float() * mask.gt(0).float()
+            low_eo = mb["evidence_overlap"].to(self.device) < lc.evidence_threshold  # EO < θ_P
+            lam = teacher_kl_weight(step, lc.teacher_max_weight, lc.teacher_warmup_steps)  # λ̄·min(1, step/W)
+            t_loss, t_stats = selective_teacher_kl_loss(per_pos, span, low_eo, lam)
+            loss = loss + t_loss
+            stats.update({k: float(v) for k, v in t_stats.items()})
+        stats["loss"] = loss.item()
+        return loss, stats
+
+    def _grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        if norm is not None:
+            return float(norm)
+        grads = [p.grad.detach().float() for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+    def update(self, batch: TrainBatch, step: int | None = None) -> dict[str, float]:
+        """PPO epochs over mini-batches of this rank's shard; returns averaged metrics.
+
+        ``step`` is the trainer step (for the teacher-KL ramp); defaults to the learner's version.
+        All ranks of a group must call this together with equally sized shards.
+        """
+        import torch.distributed as dist
+
+        cfg = self.config
+        missing = [k for k in _REQUIRED if k not in batch]
+        if missing:
+            raise KeyError(f"train batch lacks {missing}")
+        if cfg.loss.teacher_kl:
+            lacking = [k for k in _TEACHER if k not in batch]
+            if lacking:
+                raise KeyError(f"teacher KL is on but the batch lacks {lacking}")
+        step = self.version if step is None else int(step)
+        n = batch_size_of(batch)
+        per_rank = cfg.mini_batch_size // self.world_size
+        if n == 0 or n % per_rank:
+            raise ValueError(
+                f"this learner got {n} sequences; it needs a positive multiple of the per-learner "
+                f"mini-batch {per_rank} (mini_batch_size {cfg.mini_batch_size} / {self.world_size} learners)"
+            )
+        started = time.perf_counter()
+        batch = dict(batch)
+        if "old_logprobs" not in batch:
+            batch["old_logprobs"] = self.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+        if cfg.loss.kl_coef > 0 and "ref_logprobs" not in batch:
+            batch["ref_logprobs"] = self.compute_ref_logprobs(batch["token_ids"], batch["attention_mask"])
+        if cfg.loss.teacher_kl:
+            batch["teacher_topk_values"], batch["teacher_topk_indices"] = self._teacher_topk(batch)
+        # The teacher's full input is no longer needed once its top-K is taken.
+        for key in ("teacher_token_ids", "teacher_attention_mask"):
+            batch.pop(key, None)
+
+        self.engine.train()
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version * 1009 + self.rank)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        grad_norms: list[float] = []
+        tokens = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(n, generator=gen) if cfg.shuffle else torch.arange(n)
+            for m0 in range(0, n, per_rank):
+                mini = slice_batch(batch, order[m0 : m0 + per_rank])
+                count = self._count(mini).reshape(1)
+                if self.world_size > 1:
+                    dist.all_reduce(count)  # global normaliser of this mini-batch
+                total = float(count.item())
+                for u0 in range(0, per_rank, cfg.micro_batch_size):
+                    micro = slice_batch(mini, slice(u0, u0 + cfg.micro_batch_size))
+                    # n_micro · K · GA / n_global (see the module docstring)
+                    weight = float(self._count(micro)) * self.world_size * self.grad_accum / total if total > 0 else 0.0
+                    loss, stats = self._micro_loss(micro, weight, step)
+                    self.engine.backward(loss)
+                    boundary = self.engine.is_gradient_accumulation_boundary()
+                    norm = self._grad_norm() if boundary and cfg.zero_stage == 0 else None
+                    self.engine.step()
+                    if boundary:
+                        norm = norm if norm is not None else self._grad_norm()
+                        if norm is not None and math.isfinite(norm):
+                            grad_norms.append(norm)
+                    tokens += int(micro["attention_mask"].sum())
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                        counts[k] = counts.get(k, 0) + 1
+        elapsed = time.perf_counter() - started
+        self.version += 1
+        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics.update(
+            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            optimizer_steps=float(cfg.ppo_epochs * (n // per_rank)),
+            tokens=float(tokens),
+            update_seconds=elapsed,
+            tokens_per_s=tokens / elapsed if elapsed > 0 else float("nan"),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            weight_version=float(self.version),
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ weights
+
+    def hf_named_parameters(self):
+        """Yield ``(hf_name, full fp tensor on CPU)`` for every policy weight, in HF naming.
+
+        Under ZeRO-3 every rank must iterate this together (each parameter is gathered across
+        ranks); only rank 0's values are meaningful. LoRA adapters are merged into the weights.
+        """
+        if self.config.lora is not None:
+            yield from _merged_lora_parameters(self.module)
+            return
+        if self.config.zero_stage == 3:
+            import deepspeed
+
+            for name, param in self.module.named_parameters():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    yield name, param.detach().to("cpu", copy=True)
+            return
+        for name, param in self.module.named_parameters():
+            yield name, param.detach().to("cpu", copy=True)
+
+    def get_weights(self, dtype: torch.dtype | str | None = None):
+        """``FlatWeights`` of the current policy on rank 0 (``None`` on other ranks).
+
+        ``dtype`` converts floating tensors (e.g. ``"bfloat16"`` for a bf16 vLLM engine).
+        """
+        from actors.weight_sync import FlatWeights
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        named = []
+        for name, tensor in self.hf_named_parameters():
+            if self.rank == 0:
+                named.append((name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor))
+        return FlatWeights.from_named_tensors(named, self.version) if self.rank == 0 else None
+
+    def publish_weights(self, dtype: torch.dtype | str | None = None) -> list:
+        """``ray.put`` the weights once; returns ``[ObjectRef]`` on rank 0 and ``[]`` elsewhere.
+
+        The ref is wrapped in a list so that Ray hands the caller the reference, not the value.
+        """
+        import ray
+
+        flat = self.get_weights(dtype)
+        return [ray.put(flat)] if flat is not None else []
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo") -> None:
+        """Rank 0 becomes the sender (rank 0) of a ``WeightSyncGroup``; other ranks do nothing."""
+        if self.rank != 0:
+            return
+        from actors.weight_sync import WeightSyncGroup
+
+        device = self.device if backend != "gloo" else "cpu"
+        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend=backend, device=device)
+
+    def broadcast_weights(self, dtype: torch.dtype | str | None = None) -> int:
+        """Send the current weights over the sync group (every rank calls it under ZeRO-3)."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        named = []
+        for name, tensor in self.hf_named_parameters():
+            if self.rank == 0:
+                named.append((name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor))
+        if self.rank != 0:
+            return 0
+        if self._sync_group is None:
+            raise RuntimeError("call init_weight_sync before broadcast_weights")
+        return self._sync_group.send(named, self.version)
+
+    # ------------------------------------------------------------------ misc
+
+    def get_version(self) -> int:
+        return self.version
+
+    def set_version(self, version: int) -> None:
+        self.version = int(version)
+
+    def ping(self) -> bool:
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (optional; needs peft)
+# ---------------------------------------------------------------------------------------------
+
+
+def _apply_lora(model, lora: LoraSettings, zero_stage: int):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ImportError("LoRA needs the 'peft' package (`pip install peft`); it is not installed") from exc
+    if zero_stage == 3:
+        raise ValueError("LoRA with ZeRO-3 is not supported here: use ZeRO stage 0-2 (adapters are small)")
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def _merged_lora_parameters(peft_model):
+    """HF-named full weights of a peft model: ``W + (alpha/r)·B·A`` for adapted layers."""
+    peft_model.merge_adapter()
+    try:
+        base = peft_model.get_base_model()
+        for name, param in base.named_parameters():
+            if "lora_" in name:
+                continue
+            yield name.replace(".base_layer", ""), param.detach().to("cpu", copy=True)
+    finally:
+        peft_model.unmerge_adapter()
+
+
+# ---------------------------------------------------------------------------------------------
+# LearnerGroup
+# ---------------------------------------------------------------------------------------------
+
+
+def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    keys = per_rank[0].keys()
+    out = {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys}
+    for k in ("tokens", "tokens_per_s"):  # throughput adds up over ranks
+        if k in out:
+            out[k] = sum(m[k] for m in per_rank)
+    out["update_seconds"] = max(m["update_seconds"] for m in per_rank)
+    return out
+
+
+class LearnerGroup:
+    """K ``Learner`` Ray actors training one policy data-parallel (RLlib's LearnerGroup role).
+
+    ``resources`` are the Ray options of each learner actor (default ``{"num_cpus": 1}`` on CPU,
+    ``{"num_gpus": 1}`` with CUDA). The group's process group uses gloo on CPU, NCCL on GPU.
+    Call ``shutdown()`` (or let Ray end) to release the actors.
+    """
+
+    def __init__(
+        self,
+        config: LearnerConfig | Mapping[str, Any] | None = None,
+        num_learners: int = 2,
+        *,
+        resources: Mapping[str, Any] | None = None,
+        setup_timeout_s: float = 900.0,
+    ):
+        import ray
+
+        self.config = LearnerConfig.from_dict(config)
+        self.num_learners = int(num_learners)
+        if resources is None:
+            resources = {"num_gpus": 1} if self.config.resolved_device() == "cuda" else {"num_cpus": 1}
+        actor_cls = ray.remote(Learner).options(**resources)
+        self.learners = [
+            actor_cls.remote(self.config, rank=r, world_size=self.num_learners, setup=False) for r in range(self.num_learners)
+        ]
+        addr, port = ray.get(self.learners[0].master_endpoint.remote(), timeout=setup_timeout_s)
+        self.infos = ray.get([l.setup.remote(addr, port) for l in self.learners], timeout=setup_timeout_s)
+        self.version = 0
+        self._sync_world = None
+
+    def update(self, batch: TrainBatch, step: int | None = None) -> dict[str, float]:
+        """Shard the batch over the learners, update, and return rank-averaged metrics."""
+        import ray
+
+        shards = shard_batch(batch, self.num_learners)
+        per_rank = ray.get([l.update.remote(s, step) for l, s in zip(self.learners, shards)])
+        self.version += 1
+        metrics = _mean_metrics(per_rank)
+        metrics["weight_version"] = float(self.version)
+        return metrics
+
+    def compute_logprobs(self, token_ids, attention_mask=None) -> torch.Tensor:
+        """Current-policy logprobs, computed on rank 0 (ZeRO-3 needs every rank: use update's own)."""
+        import ray
+
+        if self.config.zero_stage == 3:
+            n = len(token_ids)
+            ids = torch.as_tensor(token_ids)
+            attn = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+            if n % self.num_learners:
+                raise ValueError("under ZeRO-3 compute_logprobs needs a batch that splits evenly over the learners")
+            per = n // self.num_learners
+            parts = ray.get([
+                l.compute_logprobs.remote(ids[r * per : (r + 1) * per], attn[r * per : (r + 1) * per])
+                for r, l in enumerate(self.learners)
+            ])
+            return torch.cat(parts)
+        return ray.get(self.learners[0].compute_logprobs.remote(token_ids, attention_mask))
+
+    def publish_weights(self, dtype: torch.dtype | str | None = None):
+        """Put the current weights into the object store once; returns the ``ObjectRef``."""
+        import ray
+
+        refs = ray.get([l.publish_weights.remote(dtype) for l in self.learners])
+        return refs[0][0]
+
+    def sync_weights(self, workers: Sequence, dtype: torch.dtype | str | None = None) -> dict[str, float]:
+        """Object-store sync: publish once, every worker loads it. Returns versions and seconds."""
+        from actors.weight_sync import push_weights_via_object_store
+
+        t0 = time.perf_counter()
+        ref = self.publish_weights(dtype)
+        t1 = time.perf_counter()
+        versions = push_weights_via_object_store(ref, workers)
+        t2 = time.perf_counter()
+        if set(versions) != {self.version}:
+            raise RuntimeError(f"rollout workers report weight versions {versions}, expected {self.version}")
+        return {"weight_version": float(self.version), "publish_seconds": t1 - t0, "load_seconds": t2 - t1, "sync_seconds": t2 - t0}
+
+    def init_weight_sync(self, workers: Sequence, backend: str = "gloo", timeout_s: float = 600.0) -> int:
+        """Build a ``WeightSyncGroup`` of learner rank 0 and every worker's engine rank(s)."""
+        import ray
+
+        ranks = ray.get([w.sync_ranks.remote() for w in workers], timeout=timeout_s)
+        world = 1 + sum(ranks)
+        addr, port = ray.get(self.learners[0].master_endpoint.remote(), timeout=timeout_s)
+        calls = [self.learners[0].init_weight_sync.remote(addr, port, world, backend)]
+        offset = 1
+        for w, r in zip(workers, ranks):
+            calls.append(w.init_weight_sync.remote(addr, port, offset, world, backend))
+            offset += r
+        ray.get(calls, timeout=timeout_s)
+        self._sync_world = world
+        return world
+
+    def broadcast_weights(self, workers: Sequence, dtype: torch.dtype | str | None = None, timeout_s: float = 600.0) -> dict[str, float]:
+        """Collective sync over the group built by ``init_weight_sync``."""
+        import ray
+
+        if self._sync_world is None:
+            raise RuntimeError("call init_weight_sync(workers, backend) first")
+        t0 = time.perf_counter()
+        receives = [w.receive_weights.remote() for w in workers]
+        sends = [l.broadcast_weights.remote(dtype) for l in self.learners]
+        versions = ray.get(receives, timeout=timeout_s)
+        sent = ray.get(sends, timeout=timeout_s)[0]
+        if set(versions) != {self.version}:
+            raise RuntimeError(f"rollout workers report weight versions {versions}, expected {self.version}")
+        return {"weight_version": float(self.version), "bytes": float(sent), "sync_seconds": time.perf_counter() - t0}
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Run a ``Learner`` method on every learner and return the results (rank order)."""
+        import ray
+
+        return ray.get([getattr(l, method).remote(*args, **kwargs) for l in self.learners])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for learner in self.learners:
+            ray.kill(learner)
+        self.learners = []
+
+
+__all__ = [
+    "Learner",
+    "LearnerConfig",
+    "LearnerGroup",
+    "LoraSettings",
+    "OptimizerConfig",
+    "PolicyLossConfig",
+    "TrainBatch",
+    "batch_size_of",
+    "init_torch_distributed",
+    "make_train_batch",
+    "shard_batch",
+    "slice_batch",
+    "token_logprobs",
+]
