@@ -51,6 +51,8 @@ SEGMENTS = {
 ROUTE_SEGMENT = f"<think>{REASONING}</think><sub-question>Who directed Inception?</sub-question><ret>Text Retriever</ret>"
 ANSWER_SEGMENT = f"<think>{REASONING}</think><answer>London</answer>"
 
+PASSAGE_TEXT = ("Some retrieved passage text about films and their directors. " * 8).strip()
+ROUTE_EPISODE = (ROUTE_SEGMENT, ANSWER_SEGMENT) * 3 + (ANSWER_SEGMENT,)  # 3 routes, then the final answer
 QUESTION = Question(id="bench", question="Where was the director of Inception born?", answers=("London",))
 
 
@@ -59,7 +61,7 @@ class PrecomputedRetriever:
 
     def __init__(self, k: int = 3):
         hits = [
-            Hit(f"p{i}", f"Passage {i}", ("Some retrieved passage text about films and their directors. " * 8).strip(), 1.0 / (i + 1))
+            Hit(f"p{i}", f"Passage {i}", PASSAGE_TEXT, 1.0 / (i + 1))
             for i in range(k)
         ]
         facts = [("Inception", "directed by", "Christopher Nolan", 0.9), ("Christopher Nolan", "born in", "London", 0.8)]
@@ -103,7 +105,7 @@ def bench_step_overhead(episodes: int) -> dict:
     samples = []
     for episode in range(episodes + 20):
         route_env.reset(seed=episode)
-        for segment in (ROUTE_SEGMENT, ANSWER_SEGMENT, ROUTE_SEGMENT, ANSWER_SEGMENT, ROUTE_SEGMENT, ANSWER_SEGMENT, ANSWER_SEGMENT):
+        for segment in ROUTE_EPISODE:
             start = clock()
             route_env.step(segment)
             elapsed = clock() - start
@@ -163,7 +165,8 @@ def bench_fuzz(examples: int) -> dict:
                 counts["format_errors"] += 1
                 ok = info["format_error"] and not terminated and observation in env.observation_space
                 if dialect != "r1_router":
-                    ok = ok and env.dialect.observation_open in observation and info["budget_left"] == env.retrieval_budget - 1
+                    ok = ok and env.dialect.observation_open in observation
+                    ok = ok and info["budget_left"] == env.retrieval_budget - 1
             else:
                 counts["valid"] += 1
                 ok = not info["format_error"]

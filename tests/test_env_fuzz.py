@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import MultiKBRouteEnv, RagSearchEnv
-from raggym.protocol import ACTION_KINDS, DIALECT_NAMES, PAPER_KNOWLEDGE_BASES, get_dialect
+from raggym.protocol import ACTION_KINDS, DIALECT_NAMES, PAPER_KNOWLEDGE_BASES
 from raggym.protocol.strategies import segments
 from test_envs_support import QUESTIONS, make_retriever
 

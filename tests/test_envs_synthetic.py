@@ -26,7 +26,7 @@ def real_retriever(small_world):
     retriever_cls = getattr(retrieval, "Retriever", None)
     if retriever_cls is None:
         pytest.skip("raggym.retrieval.Retriever is not available yet")
-    return retriever_cls.build(small_world.corpus, openie=small_world.openie)
+    return retriever_cls.build(small_world.corpus, openie=small_world.openie, show_progress=False)
 
 
 def test_graph_search_then_answer_with_the_real_retriever(small_world, real_retriever):
@@ -88,3 +88,26 @@ def test_multi_kb_episode_on_the_synthetic_table_world(table_world):
     assert record.retrieval_cost == 2 * len(table_world.table_corpus)
     assert len(record.gold_passages) == len(question.gold_passage_ids)
     assert len(text.calls) == 0
+
+
+def test_step_batch_with_the_real_retriever_matches_single_steps(small_world, real_retriever):
+    from envs import step_batch
+
+    questions = [q for q in small_world.questions if q.golden_trajectory][:6]
+    modes = ["graph", "passage", "hybrid"]
+    segments = [
+        f"<think>Look it up.</think><search> [{'graph][passage' if modes[i % 3] == 'hybrid' else modes[i % 3]}] {q.golden_trajectory[0]['query']} </search>"
+        for i, q in enumerate(questions)
+    ]
+    batch = [RagSearchEnv(real_retriever, small_world.questions) for _ in questions]
+    for env, q in zip(batch, questions):
+        env.reset(options={"question": q})
+    batched = step_batch(batch, segments)
+    for q, segment, result in zip(questions, segments, batched):
+        solo = RagSearchEnv(real_retriever, small_world.questions)
+        solo.reset(options={"question": q})
+        obs, reward, terminated, truncated, info = solo.step(segment)
+        assert result.observation == obs
+        assert result.info["retrieved_ids"] == info["retrieved_ids"]
+        assert result.info["retrieval_cost"] == info["retrieval_cost"]
+    assert [r.info["mode"] for r in batched] == [modes[i % 3] for i in range(len(questions))]

@@ -18,7 +18,7 @@ import re
 from typing import Iterable, NamedTuple, Sequence
 
 from raggym.protocol.action import ANSWER, SEARCH, THINK, Action, FormatCheck, invalid
-from raggym.protocol.tags import TAG_TABLE, clean_block, clean_inline, is_blank, scan_tags, split_tags
+from raggym.protocol.tags import TAG_TABLE, clean_block, clean_inline, is_blank, split_tags
 
 # One letter per tag for trajectory-level format checks: lower case opens, upper case closes.
 # 'x' stands for non-blank text outside every block.
@@ -284,43 +284,46 @@ class Dialect:
             raise TypeError(f"format_check expects str, got {type(trajectory).__name__}")
         if self._trajectory_re is None:  # pragma: no cover - every dialect sets a pattern
             raise NotImplementedError
-        tags = scan_tags(trajectory)
+        parts = split_tags(trajectory)
         letters: list[str] = []
-        contents: list[tuple[str, str]] = []
+        action_contents: list[tuple[str, str]] = []
+        open_stack: list[tuple[str, int]] = []  # (block, index in parts of its opening tag)
+        observation = self.observation_block
+        inside_observation = False
         depth = 0
-        pos = 0
-        open_at: list[tuple[str, int]] = []
-        observation_end: int | None = None
-        for tag in tags:
+        text_before = parts[0]  # text since the last structural tag
+        for i in range(1, len(parts), 2):
+            block, opening = TAG_TABLE[parts[i]]
             # Observation bodies are retrieved text and error hints; tag-like text inside them
             # (a passage quoting "<answer>", the hint showing the search syntax) is not structure.
-            if observation_end is not None:
-                if not (tag.block == self.observation_block and not tag.opening):
-                    continue
-                observation_end = None
-            elif tag.block == self.observation_block and tag.opening:
-                observation_end = tag.end
-            if depth == 0 and not is_blank(trajectory[pos : tag.start]):
+            if inside_observation and not (block == observation and not opening):
+                continue
+            inside_observation = block == observation and opening
+            if depth == 0 and text_before and not text_before.isspace():
                 letters.append("x")
-            letter = _BLOCK_LETTER[tag.block]
-            if tag.opening:
+            letter = _BLOCK_LETTER[block]
+            if opening:
                 letters.append(letter)
-                open_at.append((tag.block, tag.end))
+                open_stack.append((block, i))
                 depth += 1
             else:
                 letters.append(letter.upper())
                 depth -= 1
-                if open_at and open_at[-1][0] == tag.block:
-                    block, start = open_at.pop()
-                    contents.append((block, trajectory[start : tag.start]))
-            pos = tag.end
-        if not is_blank(trajectory[pos:]) and depth == 0:
+                if open_stack and open_stack[-1][0] == block:
+                    _, opened_at = open_stack.pop()
+                    if block in self.action_blocks:
+                        action_contents.append((block, "".join(parts[opened_at + 1 : i])))
+            text_before = parts[i + 1]
+        if depth == 0 and text_before and not text_before.isspace():
             letters.append("x")
         structure = "".join(letters)
-        num_searches = sum(1 for b, _ in contents if self.action_blocks.get(b) == SEARCH)
+        num_searches = sum(1 for b, _ in action_contents if self.action_blocks[b] == SEARCH)
         if not self._trajectory_re.fullmatch(structure):
-            return FormatCheck(False, f"structure {structure!r} does not match {self.trajectory_pattern!r}", structure, num_searches)
-        for block, content in contents:
+            shown = structure if len(structure) <= 80 else structure[:80] + "…"
+            return FormatCheck(
+                False, f"structure {shown!r} does not match {self.trajectory_pattern!r}", structure, num_searches
+            )
+        for block, content in action_contents:
             error = self._content_error(block, content)
             if error is not None:
                 return FormatCheck(False, error, structure, num_searches)

@@ -21,10 +21,21 @@ from raggym.protocol.r1_router import PAPER_KNOWLEDGE_BASES
 from raggym.protocol.tags import TAG_TABLE
 
 ALL_TAGS = tuple(TAG_TABLE)
-BROKEN_TAGS = ("<sear", "</", "<", ">", "<|begin_of_", "<|end_of", "|>", "<think", "answer>", "</ret", "<sub-question")
-MODE_TAGS = ("[passage]", "[graph]", "[graph][passage]", "[passage][graph]", "[hybrid]", "[Graph]", "[graph][graph]", "[", "]", "[]")
-ODD_CHARACTERS = ("\x00", "\x07", "\x1b", "\x7f", "\x85", "\u2028", "\u2029", "\ufeff", "\ud800", "\udfff", "\udc80", "\r\n", "\t")
-WORDS = ("None", "none", *PAPER_KNOWLEDGE_BASES, '{"query": "x"}', '{"query": 3}', "{", "}", "Doc 1 (Title: x)", "who", "capital of France")
+BROKEN_TAGS = (
+    "<sear", "</", "<", ">", "<|begin_of_", "<|end_of", "|>", "<think", "answer>", "</ret", "<sub-question",
+)
+MODE_TAGS = (
+    "[passage]", "[graph]", "[graph][passage]", "[passage][graph]",  # valid
+    "[hybrid]", "[Graph]", "[graph][graph]", "[", "]", "[]",  # not
+)
+ODD_CHARACTERS = (
+    "\x00", "\x07", "\x1b", "\x7f", "\x85", "\u2028", "\u2029", "\ufeff",
+    "\ud800", "\udfff", "\udc80", "\r\n", "\t",
+)
+WORDS = (
+    "None", "none", *PAPER_KNOWLEDGE_BASES, '{"query": "x"}', '{"query": 3}', "{", "}",
+    "Doc 1 (Title: x)", "who", "capital of France",
+)
 
 _unicode_text = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=40)
 
@@ -32,13 +43,15 @@ _unicode_text = st.text(alphabet=st.characters(codec=None, exclude_categories=()
 def _well_formed(dialect_name: str) -> st.SearchStrategy[str]:
     """A valid action of ``dialect_name`` with random (possibly odd) inner text."""
     t = _unicode_text
+    answer = st.builds(lambda r, a: f"<think>{r}</think><answer>{a}</answer>", t, t)
     if dialect_name == "routerag":
-        return st.one_of(
-            st.builds(lambda r, m, q: f"<think>{r}</think><search> {m} {q} </search>", t, st.sampled_from(MODE_TAGS[:4]), t),
-            st.builds(lambda r, a: f"<think>{r}</think><answer>{a}</answer>", t, t),
+        search = st.builds(
+            lambda r, m, q: f"<think>{r}</think><search> {m} {q} </search>", t, st.sampled_from(MODE_TAGS[:4]), t
         )
+        return st.one_of(search, answer)
     if dialect_name in ("search_r1", "lws"):
-        opener = st.sampled_from(["<think>{}</think>", "<reflect>{}</reflect>"]) if dialect_name == "lws" else st.just("<think>{}</think>")
+        openers = ["<think>{}</think>", "<reflect>{}</reflect>"] if dialect_name == "lws" else ["<think>{}</think>"]
+        opener = st.sampled_from(openers)
         return st.one_of(
             st.builds(lambda o, r, q: o.format(r) + f"<search>{q}</search>", opener, t, t),
             st.builds(lambda o, r, a: o.format(r) + f"<answer>{a}</answer>", opener, t, t),
@@ -47,7 +60,7 @@ def _well_formed(dialect_name: str) -> st.SearchStrategy[str]:
         return st.one_of(
             st.builds(lambda r, q: f"<think>{r}</think><query>{q}</query>", t, t),
             st.builds(lambda r, q: f'<think>{r}</think><query>{{"query": "{q}"}}</query>', t, t),
-            st.builds(lambda r, a: f"<think>{r}</think><answer>{a}</answer>", t, t),
+            answer,
         )
     if dialect_name == "graphrag_r1":
         return st.one_of(
@@ -55,13 +68,13 @@ def _well_formed(dialect_name: str) -> st.SearchStrategy[str]:
             st.builds(lambda r, a: f"{r}</think><answer>{a}</answer>", t, t),
         )
     if dialect_name == "r1_router":
-        return st.one_of(
-            st.builds(
-                lambda r, q, kb: f"<think>{r}</think><sub-question>{q}</sub-question><ret>{kb}</ret>",
-                t, st.one_of(t, st.just("None")), st.sampled_from((*PAPER_KNOWLEDGE_BASES, "None", "Web")),
-            ),
-            st.builds(lambda r, a: f"<think>{r}</think><answer>{a}</answer>", t, t),
+        route = st.builds(
+            lambda r, q, kb: f"<think>{r}</think><sub-question>{q}</sub-question><ret>{kb}</ret>",
+            t,
+            st.one_of(t, st.just("None")),
+            st.sampled_from((*PAPER_KNOWLEDGE_BASES, "None", "Web")),
         )
+        return st.one_of(route, answer)
     raise ValueError(f"no strategy for dialect {dialect_name!r}")
 
 
@@ -80,8 +93,10 @@ def pieces(dialect_name: str) -> st.SearchStrategy[str]:
 def megabyte_text() -> st.SearchStrategy[str]:
     """About a megabyte: a short piece repeated, sometimes inside an otherwise valid action."""
     filler = st.sampled_from(["a", "<think>", "[graph]", "\ud800", "x </search>", "<search>"])
-    return st.builds(lambda piece, wrap: wrap.format(piece * (2**20 // len(piece))), filler,
-                     st.sampled_from(["{}", "<think>{}</think><search> [graph] q </search>", "<search> [passage] {} </search>", "<answer>{}</answer>"]))
+    wrapper = st.sampled_from(
+        ["{}", "<think>{}</think><search> [graph] q </search>", "<search> [passage] {} </search>", "<answer>{}</answer>"]
+    )
+    return st.builds(lambda piece, wrap: wrap.format(piece * (2**20 // len(piece))), filler, wrapper)
 
 
 def segments(dialect_name: str, *, allow_megabyte: bool = True) -> st.SearchStrategy[str]:

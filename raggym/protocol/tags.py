@@ -88,6 +88,8 @@ _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 def clean_block(text: str) -> str:
     """Multi-line text kept as written except that lone surrogates become U+FFFD and the ends are
     stripped; used for reasoning and answers, which are stored and later written to UTF-8 files."""
+    if text.isascii():  # the common case; isascii is a single C scan
+        return text.strip()
     return _SURROGATE_RE.sub("\ufffd", text).strip()
 
 
