@@ -39,3 +39,22 @@ def small_world():
     from raggym.data.synthetic import generate_world
 
     return generate_world(seed=7, n_entities=300, n_questions=60)
+
+
+@pytest.fixture(scope="session")
+def small_world_retriever(small_world):
+    """The real Retriever (dense + graph) over ``small_world``; embeddings are cached on disk."""
+    from raggym.retrieval import Retriever
+
+    return Retriever.build(small_world.corpus, openie=small_world.openie, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_engine():
+    """SmolLM2-135M in the HF engine, shared by the modules that generate in-process."""
+    import torch
+
+    from actors.engines.hf import HFEngine
+
+    torch.manual_seed(0)
+    return HFEngine("smollm2-135m")
