@@ -200,6 +200,18 @@ def load_policy(spec: str = DEFAULT_POLICY, *, dtype=None, device: str = "cpu"):
     return model, tok
 
 
+def load_policy_tokenizer(spec: str = DEFAULT_POLICY):
+    """Only the tokenizer of a policy spec (cheap: no weights are loaded)."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model_spec(spec)
+    path = converted_checkpoint(resolved) or resolved.path
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=_offline() or resolved.source != "hub")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 class Embedder:
     """Sentence embedder: mean-pooled transformer states, L2-normalised (all-MiniLM-L6-v2 recipe).
 
@@ -286,5 +298,6 @@ __all__ = [
     "describe",
     "load_embedder",
     "load_policy",
+    "load_policy_tokenizer",
     "resolve_model_spec",
 ]
