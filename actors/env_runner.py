@@ -102,8 +102,8 @@ class EnvRunner:
         self.tokenizer = load_policy_tokenizer(tokenizer_spec)
         self.backend = RayBackend(rollout_workers, service)
         self.config = RolloutConfig(**(rollout_config or {}))
-        self._make = lambda questions: gymnasium.make(env_id, retriever=self.retriever, questions=questions,
-                                                      **self.env_kwargs).unwrapped
+        self._make = lambda questions, corpus: gymnasium.make(env_id, retriever=self.retriever, questions=questions,
+                                                              corpus=corpus, **self.env_kwargs).unwrapped
 
     @classmethod
     def as_remote(cls, **ray_options):
@@ -112,12 +112,17 @@ class EnvRunner:
         return ray.remote(**ray_options)(cls) if ray_options else ray.remote(cls)
 
     def rollout(self, questions: Sequence[Any], group_ids: Sequence[str], sample_indices: Sequence[int],
-                sampling=None) -> list[dict]:
-        """Run one episode per question; returns trajectories as plain dicts (``Trajectory.as_dict``)."""
-        from raggym.data import Question
+                sampling=None, gold_passages: Sequence[dict] = ()) -> list[dict]:
+        """Run one episode per question; returns trajectories as plain dicts (``Trajectory.as_dict``).
+
+        ``gold_passages`` (``{"id","title","text"}`` dicts) let the episode records carry the gold
+        evidence texts that evidence overlap needs, without shipping the corpus to the runner.
+        """
+        from raggym.data import Passage, Question
 
         qs = [q if isinstance(q, Question) else Question.from_dict(q) for q in questions]
-        envs = [self._make(qs) for _ in qs]
+        corpus = {p["id"]: Passage(p["id"], p["title"], p["text"]) for p in gold_passages}
+        envs = [self._make(qs, corpus) for _ in qs]
         loop = MultiTurnRollout(self.backend, self.tokenizer, sampling, self.config)
         return [t.as_dict() for t in loop.run(envs, qs, group_ids, sample_indices)]
 

@@ -139,6 +139,7 @@ class LearnerConfig:
     reference_model: bool | None = None  # None: load one iff KL or teacher KL needs it
     shuffle: bool = True  # shuffle sequences into mini-batches each epoch
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads for this process (None: leave as is)
     cpu_shm_comm: bool = False
 
     @classmethod
@@ -352,6 +353,8 @@ class Learner:
             if self.world_size != 1:
                 raise ValueError("a learner in a group of more than one needs master_addr and master_port")
             master_addr, master_port = self.master_endpoint()
+        if cfg.num_threads:
+            torch.set_num_threads(int(cfg.num_threads))
         if device == "cpu" and not cfg.cpu_shm_comm:
             _disable_cpu_shm_comm()
         if device == "cuda":
@@ -387,6 +390,9 @@ class Learner:
         optimizer = torch.optim.AdamW(trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
         self.ds_config = self._deepspeed_config(dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        if self.world_size == 1 and cfg.zero_stage == 0:
+            # Alone, the gradient all-reduce only copies every gradient into flat buckets and back.
+            self.engine.enable_backward_allreduce = False
 
         if cfg.needs_reference():
             ref, _ = load_policy(cfg.model, dtype=torch.float32, device="cpu")
@@ -469,7 +475,7 @@ class Learner:
         return self._logprobs_with(self.reference, token_ids, attention_mask, micro_batch_size)
 
     @torch.no_grad()
-    def _teacher_topk(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_teacher_topk(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher top-K logits/indices aligned to student token positions: ``[N, T, K]`` each."""
         if self.reference is None:
             raise RuntimeError("teacher KL needs the reference model")
@@ -522,7 +528,11 @@ class Learner:
             loss = loss + lc.kl_coef * kl  # + β·KL(π_θ ‖ π_ref)
             stats["kl_loss"] = kl.item()
         with torch.set_grad_enabled(lc.entropy_coef > 0):
-            entropy_tok = torch.nn.functional.pad(entropy_from_logits(scaled[:, :-1]), (1, 0))
+            # Entropy only where the mask is on (the full-vocabulary softmax is not free); the
+            # logits at t − 1 are the distribution token t was drawn from.
+            trained = mask[:, 1:] > 0
+            entropy_tok = scaled.new_zeros(mask.shape)
+            entropy_tok[:, 1:][trained] = entropy_from_logits(scaled[:, :-1][trained])
             entropy = aggregate_loss(entropy_tok, mask, lc.aggregation)
         if lc.entropy_coef > 0:
             loss = loss - lc.entropy_coef * entropy  # − c_H·H
@@ -580,15 +590,15 @@ class Learner:
         if cfg.loss.kl_coef > 0 and "ref_logprobs" not in batch:
             batch["ref_logprobs"] = self.compute_ref_logprobs(batch["token_ids"], batch["attention_mask"])
         if cfg.loss.teacher_kl:
-            batch["teacher_topk_values"], batch["teacher_topk_indices"] = self._teacher_topk(batch)
+            batch["teacher_topk_values"], batch["teacher_topk_indices"] = self.compute_teacher_topk(batch)
         # The teacher's full input is no longer needed once its top-K is taken.
         for key in ("teacher_token_ids", "teacher_attention_mask"):
             batch.pop(key, None)
 
         self.engine.train()
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version * 1009 + self.rank)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        per_mini: list[dict[str, float]] = []  # loss-weighted stats of each mini-batch
+        teacher_kl_sum = teacher_trajectories = 0.0
         grad_norms: list[float] = []
         tokens = 0
         for _ in range(cfg.ppo_epochs):
@@ -599,6 +609,7 @@ class Learner:
                 if self.world_size > 1:
                     dist.all_reduce(count)  # global normaliser of this mini-batch
                 total = float(count.item())
+                acc: dict[str, float] = {}
                 for u0 in range(0, per_rank, cfg.micro_batch_size):
                     micro = slice_batch(mini, slice(u0, u0 + cfg.micro_batch_size))
                     # n_micro · K · GA / n_global (see the module docstring)
@@ -613,12 +624,20 @@ class Learner:
                         if norm is not None and math.isfinite(norm):
                             grad_norms.append(norm)
                     tokens += int(micro["attention_mask"].sum())
+                    n_traj = stats.pop("teacher_kl_trajectories", 0.0)
+                    teacher_kl_sum += stats.pop("teacher_kl", 0.0) * n_traj
+                    teacher_trajectories += n_traj
+                    # Weighted like the loss, so that after averaging over ranks each stat is the
+                    # mini-batch value, independent of how it was split into micro-batches.
                     for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                        counts[k] = counts.get(k, 0) + 1
+                        acc[k] = acc.get(k, 0.0) + v * weight / (self.world_size * self.grad_accum)
+                per_mini.append({k: v * self.world_size for k, v in acc.items()})
         elapsed = time.perf_counter() - started
         self.version += 1
-        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics = {k: sum(m[k] for m in per_mini) / len(per_mini) for k in per_mini[0]}
+        if cfg.loss.teacher_kl:
+            metrics["teacher_kl"] = teacher_kl_sum / teacher_trajectories if teacher_trajectories else 0.0
+            metrics["teacher_kl_trajectories"] = teacher_trajectories / cfg.ppo_epochs
         metrics.update(
             grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             optimizer_steps=float(cfg.ppo_epochs * (n // per_rank)),
@@ -699,6 +718,30 @@ class Learner:
             raise RuntimeError("call init_weight_sync before broadcast_weights")
         return self._sync_group.send(named, self.version)
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, out_dir: str, policy: bool = True) -> str | None:
+        """``out_dir/learner`` (optimizer + version) and, with ``policy``, ``out_dir/policy`` (HF).
+
+        Safetensors and JSON only (see ``actors.checkpoint``). All ranks call; rank 0 writes, so
+        with learners on several nodes ``out_dir`` must be shared storage.
+        """
+        from pathlib import Path
+
+        from actors.checkpoint import save_learner_state, save_policy_hf
+
+        save_learner_state(self, Path(out_dir) / "learner")
+        if policy:
+            save_policy_hf(self, Path(out_dir) / "policy")
+        return str(out_dir) if self.rank == 0 else None
+
+    def load_checkpoint(self, in_dir: str) -> dict:
+        from pathlib import Path
+
+        from actors.checkpoint import load_learner_state
+
+        return load_learner_state(self, Path(in_dir) / "learner")
+
     # ------------------------------------------------------------------ misc
 
     def get_version(self) -> int:
@@ -751,7 +794,7 @@ def _merged_lora_parameters(peft_model):
 def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     keys = per_rank[0].keys()
     out = {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys}
-    for k in ("tokens", "tokens_per_s"):  # throughput adds up over ranks
+    for k in ("tokens", "tokens_per_s", "teacher_kl_trajectories"):  # these add up over ranks
         if k in out:
             out[k] = sum(m[k] for m in per_rank)
     out["update_seconds"] = max(m["update_seconds"] for m in per_rank)
@@ -868,6 +911,16 @@ class LearnerGroup:
         if set(versions) != {self.version}:
             raise RuntimeError(f"rollout workers report weight versions {versions}, expected {self.version}")
         return {"weight_version": float(self.version), "bytes": float(sent), "sync_seconds": time.perf_counter() - t0}
+
+    def save_checkpoint(self, out_dir: str, policy: bool = True) -> str:
+        """Every learner takes part (ZeRO-3 gathers); rank 0 writes ``learner/`` and ``policy/``."""
+        return self.call("save_checkpoint", out_dir, policy)[0]
+
+    def load_checkpoint(self, in_dir: str) -> dict:
+        """Restore all learners (any ZeRO stage or learner count can read any checkpoint)."""
+        meta = self.call("load_checkpoint", in_dir)[0]
+        self.version = int(meta["version"])
+        return meta
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run a ``Learner`` method on every learner and return the results (rank order)."""

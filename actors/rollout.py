@@ -17,9 +17,10 @@ observation tokens, response and observation caps) live in ``raggym.trajectory``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from actors.engines.base import derive_seed
 from envs.stepping import RetrievalRequest
 from raggym.trajectory import Trajectory, TrajectoryBuilder
 
@@ -55,6 +56,8 @@ class _Wave:
     slots: list[_Slot]
     requests: list[tuple[_Slot, RetrievalRequest]] = field(default_factory=list)
     generating: list[_Slot] = field(default_factory=list)
+    index: int = 0
+    turn: int = 0
 
     def active(self) -> list[_Slot]:
         return [s for s in self.slots if not s.done]
@@ -105,7 +108,7 @@ class MultiTurnRollout:
             builder.add_prompt(chat_prompt_ids(self.tokenizer, prompt))
             slots.append(_Slot(env, builder, prompt))
         n_waves = max(1, min(cfg.waves, len(slots)))
-        waves = [_Wave(slots[i::n_waves]) for i in range(n_waves)]
+        waves = [_Wave(slots[i::n_waves], index=i) for i in range(n_waves)]
         outstanding: list = []
         meta: dict[int, tuple[_Wave, str]] = {}
 
@@ -141,7 +144,14 @@ class MultiTurnRollout:
         cap = min(self.config.max_turn_tokens, max(s.builder.response_budget_left for s in active))
         stop = list(getattr(active[0].env, "stop_strings", ()) or ())
         wave.generating = active
-        submit(wave, "generate", self.backend.submit_generate([list(s.builder.traj.token_ids) for s in active], self.sampling, stop, cap))
+        sampling = self.sampling
+        if sampling is not None and sampling.seed is not None:
+            # Engines seed prompt i of a call from (seed, i); key the call's seed by wave and turn
+            # so two copies of a question in different waves never share a random stream, and a
+            # rerun (or a resumed run) draws exactly the same samples.
+            sampling = replace(sampling, seed=derive_seed(sampling.seed, 1000 * wave.index + wave.turn))
+        wave.turn += 1
+        submit(wave, "generate", self.backend.submit_generate([list(s.builder.traj.token_ids) for s in active], sampling, stop, cap))
 
     def _apply_generation(self, wave: _Wave, results) -> None:
         wave.requests = []

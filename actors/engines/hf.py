@@ -11,9 +11,8 @@ The loop:
 1. left-pad the prompts (padding never sits between a prompt and its continuation), with
    ``position_ids`` counted over real tokens only, and prefill the cache in one forward pass;
 2. each step: scale the last logits by ``1/temperature``, apply top-k and top-p, take
-   ``log_softmax`` (these are the reported logprobs), and sample with the exponential race
-   (``argmax_v p_v / E_v``, ``E_v ~ Exp(1)`` from the prompt's own generator), which draws exactly
-   from ``p``;
+   ``log_softmax`` (these are the reported logprobs), and sample by inverse CDF with one uniform
+   number from the prompt's own generator, which draws exactly from ``p``;
 3. a prompt finishes on an EOS id, on a stop string newly present in its decoded continuation,
    or at ``max_new_tokens``; finished prompts are dropped from the batch and from the KV cache,
    so long stragglers do not pay for short ones.
@@ -86,7 +85,10 @@ class HFEngine:
         dtype: torch.dtype | str | None = None,
         eos_token_ids: Sequence[int] | None = None,
         weight_version: int = 0,
+        num_threads: int | None = None,
     ):
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if isinstance(model, str):
@@ -120,13 +122,18 @@ class HFEngine:
 
     @staticmethod
     def _draw(logp: torch.Tensor, gens: list[torch.Generator] | None) -> torch.Tensor:
-        # Exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) is a draw from p. In log space,
-        # argmax_v (log p_v − log E_v); tokens with p = 0 (log p = −inf) can never win.
+        # Inverse-CDF sampling with one uniform number per row, drawn from that row's own
+        # generator: token = first v with CDF(v) > u·CDF(V). Only tokens with p > 0 can be hit
+        # (the CDF is flat across zeros); the fallback covers the u·total == total rounding edge.
+        probs = logp.exp()
+        cdf = probs.cumsum(-1)
         if gens is None:
-            noise = torch.empty_like(logp).exponential_()
+            u = torch.rand(logp.shape[0], device=logp.device)
         else:
-            noise = torch.stack([torch.empty(logp.shape[-1], device=logp.device).exponential_(generator=g) for g in gens])
-        return torch.argmax(logp - noise.log(), dim=-1)
+            u = torch.cat([torch.rand(1, generator=g, device=logp.device) for g in gens])
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
+        hit_zero = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
+        return torch.where(hit_zero, probs.argmax(-1), tokens)
 
     def _matched_stop(self, ids: list[int], stop_strings: Sequence[str], window: int) -> str | None:
         text = self.tokenizer.decode(ids[-window:], skip_special_tokens=False)

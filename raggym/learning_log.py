@@ -1,0 +1,46 @@
+"""Training metrics: one JSON line per step plus TensorBoard scalars, and sample trajectories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsLogger:
+    """``metrics.jsonl`` (every step), ``samples.jsonl`` (a few decoded episodes per step) and
+    TensorBoard event files under ``tb/`` (when tensorboardX is installed)."""
+
+    def __init__(self, out_dir: str | Path, samples_per_step: int = 2):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics = (self.out / "metrics.jsonl").open("a", encoding="utf-8")
+        self.samples = (self.out / "samples.jsonl").open("a", encoding="utf-8")
+        self.samples_per_step = samples_per_step
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.out / "tb"))
+        except ImportError:  # pragma: no cover - tensorboardX is a core dependency
+            self.tb = None
+
+    def log(self, record: dict, trajectories=(), rewards=(), advantages=()) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        step = int(record.get("step", 0))
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        for t, r, a in list(zip(trajectories, rewards, advantages))[: self.samples_per_step]:
+            ep = t.get("episode", {})
+            self.samples.write(json.dumps({"step": step, "question": ep.get("question"), "answer": ep.get("answer"),
+                                           "turns": [x.get("text") for x in t.get("turns", [])],
+                                           "reward": r, "advantage": a}) + "\n")
+        self.samples.flush()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,285 @@
+"""DeepSpeed learner on CPU (gloo, fp32), in this process (world size 1).
+
+The mechanics (ZeRO stages, accumulation, KL, teacher KL, PPO epochs, checkpoints) run on a small
+randomly initialised Llama (2 layers, width 64, SmolLM2's tokenizer and vocabulary) saved as a
+local model directory: the real transformers architecture and the real DeepSpeed engine, at a
+size that keeps each update well under a second. The real SmolLM2-135M trains in
+test_weight_sync.py, where a data-parallel LearnerGroup (two Ray actors, ZeRO-2) is checked
+against the rollout engine.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from actors.learner import Learner, LearnerConfig, make_train_batch, shard_batch, token_logprobs
+
+LENGTHS = (30, 22, 26, 18)  # unequal, so per-micro-batch means differ from the global token mean
+PROMPT = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the suite shares 2 cores; one thread avoids OpenMP oversubscription
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(100, 20000, (n,), generator=g).tolist() for n in LENGTHS]
+    masks = [[0] * PROMPT + [1] * (n - PROMPT) for n in LENGTHS]
+    return make_train_batch(ids, masks, [1.0, -1.0, 0.5, -0.25])
+
+
+WATCHED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A small random Llama with SmolLM2's tokenizer, as a local model spec."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from raggym.models import converted_checkpoint, resolve_model_spec
+
+    tok = AutoTokenizer.from_pretrained(str(converted_checkpoint(resolve_model_spec("smollm2-135m"))))
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def snapshot(learner: Learner, names=WATCHED) -> dict[str, torch.Tensor]:
+    """Full (ZeRO-3-gathered) copies of some weights, in HF names."""
+    return {n: t for n, t in learner.hf_named_parameters() if names is None or n in names}
+
+
+MODEL = {"path": None}  # set by the stage_runs fixture (config() is called from plain helpers)
+
+
+def config(**overrides) -> LearnerConfig:
+    base = {
+        "model": MODEL["path"],
+        "zero_stage": 2,
+        "micro_batch_size": 2,
+        "mini_batch_size": 4,
+        "optimizer": {"lr": 1e-3, "eps": 1.0, "weight_decay": 0.0},  # eps ≫ |g|: the step scales with g
+        "grad_clip": 1e6,
+        "seed": 0,
+    }
+    base.update(overrides)
+    return LearnerConfig.from_dict(base)
+
+
+@pytest.fixture(scope="module")
+def stage_runs(batch, tiny_model):
+    """One update each with ZeRO 0 / 1 / 2 / 3 and 4 / 2 / 1 / 1 gradient-accumulation micro-batches.
+
+    Stage 1 also carries a KL term (zero at the first step, and its gradient vanishes at
+    π = π_ref) and the PathRouter teacher KL at step 0 (weight λ = 0), so its parameters must
+    still take the very same step as the others. Its learner is kept for the later checks, and
+    so is the ZeRO-0 one (checkpoint test). ZeRO-3 also turns on gradient checkpointing.
+    """
+    MODEL["path"] = tiny_model
+    runs = {}
+    for stage, micro in ((0, 1), (1, 2), (2, 4), (3, 4)):
+        extra, b = {}, batch
+        if stage == 3:
+            extra = {"gradient_checkpointing": True}  # recomputation must not change the step
+        if stage == 1:
+            extra = {"loss": {"kl_coef": 0.1, "teacher_kl": True, "teacher_top_k": 16}}
+            b = with_teacher_fields(batch)
+        learner = Learner(config(zero_stage=stage, micro_batch_size=micro, **extra))
+        before = snapshot(learner, names=None if stage == 0 else WATCHED)
+        first = learner.update(b, step=0)
+        after = snapshot(learner, names=None if stage == 0 else WATCHED)
+        runs[stage] = {"first": first, "before": before, "after": after, "grad_accum": learner.grad_accum}
+        if stage == 1:
+            runs["learner"], runs["teacher_batch"] = learner, b
+        elif stage == 0:
+            runs["plain"] = learner  # kept for the checkpoint test
+        else:
+            del learner
+            gc.collect()
+    return runs
+
+
+def with_teacher_fields(batch, prefix: int = 5):
+    """Teacher inputs: row 0 sees exactly the student's sequence, the others 5 extra tokens first."""
+    ids, attn = batch["token_ids"], batch["attention_mask"]
+    n, t = ids.shape
+    t_ids = torch.zeros((n, t + prefix), dtype=torch.long)
+    t_attn = torch.zeros((n, t + prefix), dtype=torch.long)
+    positions = torch.full((n, t), -1, dtype=torch.long)
+    for i in range(n):
+        length = int(attn[i].sum())
+        shift = 0 if i == 0 else prefix
+        if shift:
+            t_ids[i, :shift] = torch.arange(300, 300 + shift)
+        t_ids[i, shift : shift + length] = ids[i, :length]
+        t_attn[i, : shift + length] = 1
+        positions[i, :length] = torch.arange(length) + shift
+    out = dict(batch)
+    out.update(
+        teacher_token_ids=t_ids,
+        teacher_attention_mask=t_attn,
+        teacher_positions=positions,
+        teacher_kl_mask=batch["loss_mask"].clone(),
+        evidence_overlap=torch.tensor([0.0, 0.5, 0.05, 0.9]),  # rows 0 and 2 are below θ_P = 0.1
+    )
+    return out
+
+
+def test_config_from_dict_rejects_unknown_keys_and_bad_batch_shapes():
+    assert LearnerConfig().model == "smollm2-135m"
+    cfg = LearnerConfig.from_dict({"zero_stage": 3, "optimizer": {"lr": 2e-6, "betas": [0.9, 0.95]}, "loss": {"clip_high": 0.28}})
+    assert cfg.optimizer.betas == (0.9, 0.95) and cfg.loss.clip_high == 0.28 and cfg.zero_stage == 3
+    assert cfg.resolved_dtype() == torch.float32 and cfg.resolved_device() == "cpu"
+    with pytest.raises(ValueError, match="unknown"):
+        LearnerConfig.from_dict({"zero_stag": 1})
+    with pytest.raises(ValueError):
+        make_train_batch([[1, 2, 3]], [[0, 1]], [1.0])
+    with pytest.raises(ValueError):
+        shard_batch(make_train_batch([[1, 2]] * 3, [[0, 1]] * 3, [0.0] * 3), 2)
+
+
+def test_zero_stages_and_accumulation_give_the_same_step(stage_runs):
+    assert [stage_runs[s]["grad_accum"] for s in (0, 1, 2, 3)] == [4, 2, 1, 1]
+    ref = stage_runs[0]
+    for stage in (1, 2, 3):
+        run = stage_runs[stage]
+        # Metrics are weighted like the loss, so they do not depend on the micro-batching ...
+        assert run["first"]["pg_loss"] == pytest.approx(ref["first"]["pg_loss"], abs=1e-6)
+        assert run["first"]["entropy"] == pytest.approx(ref["first"]["entropy"], rel=1e-5)
+        # ... and neither does the mini-batch gradient (global token mean), nor the step taken.
+        assert run["first"]["grad_norm"] == pytest.approx(ref["first"]["grad_norm"], rel=1e-4)
+        for name in WATCHED:
+            delta = run["after"][name] - run["before"][name]
+            ref_delta = ref["after"][name] - ref["before"][name]
+            scale = float(ref_delta.abs().max())
+            assert scale > 0
+            torch.testing.assert_close(delta, ref_delta, atol=1e-3 * scale, rtol=1e-3)
+
+
+def test_an_update_changes_every_parameter_and_reports_metrics(stage_runs):
+    run = stage_runs[0]
+    changed = [n for n in run["before"] if not torch.equal(run["before"][n], run["after"][n])]
+    assert len(changed) == len(run["before"]) > 10
+    first = run["first"]
+    # Old logprobs were taken from the same weights: the first mini-batch is exactly on-policy.
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first["approx_kl"] == pytest.approx(0.0, abs=1e-6) and first["clip_fraction"] == 0.0
+    for key in ("entropy", "grad_norm", "tokens_per_s", "update_seconds", "lr"):
+        assert first[key] > 0
+    assert first["tokens"] == float(sum(LENGTHS)) and first["optimizer_steps"] == 1.0
+    assert first["weight_version"] == 1.0
+
+
+def test_kl_reference_stays_frozen_and_teacher_terms_are_computed(stage_runs, batch):
+    learner, first = stage_runs["learner"], stage_runs[1]["first"]
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-8)  # π_θ = π_ref before any step
+    ids, attn, mask = batch["token_ids"], batch["attention_mask"], batch["loss_mask"].bool()
+    ref = learner.compute_ref_logprobs(ids, attn)
+    now = learner.compute_logprobs(ids, attn)
+    assert (now - ref)[mask].abs().max() > 1e-4  # the policy moved, the reference did not:
+    with torch.no_grad():
+        initial = stage_runs[1]["before"]
+        assert torch.equal(learner.reference.model.norm.weight, initial["model.norm.weight"])
+    assert first["teacher_kl_trajectories"] == 2.0 and first["teacher_kl"] > 0
+
+
+def test_teacher_logits_are_aligned_to_student_tokens(stage_runs):
+    learner, tb = stage_runs["learner"], stage_runs["teacher_batch"]
+    values, indices = learner.compute_teacher_topk(tb)
+    for row in (0, 2):  # row 0: same sequence; row 2: five evidence tokens first
+        length = int(tb["attention_mask"][row].sum())
+        t_len = int(tb["teacher_attention_mask"][row].sum())
+        with torch.no_grad():
+            logits = learner.reference(input_ids=tb["teacher_token_ids"][row : row + 1, :t_len]).logits[0]
+        for t in (1, length // 2, length - 1):  # student token t is teacher token positions[t]
+            src = int(tb["teacher_positions"][row, t]) - 1
+            expected = torch.topk(logits[src], 16)
+            torch.testing.assert_close(values[row, t], expected.values, atol=1e-4, rtol=0)
+            assert torch.equal(indices[row, t], expected.indices)
+
+
+def test_compute_logprobs_matches_a_manual_forward_pass(stage_runs, batch):
+    learner = stage_runs["learner"]
+    lp = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        logits = learner.module(input_ids=batch["token_ids"][:1, : LENGTHS[0]]).logits
+    manual = torch.log_softmax(logits[0, :-1], -1).gather(-1, batch["token_ids"][0, 1 : LENGTHS[0], None]).squeeze(-1)
+    torch.testing.assert_close(lp[0, 1 : LENGTHS[0]], manual, atol=1e-4, rtol=0)
+    assert lp[0, 0] == 0 and torch.all(lp[1, LENGTHS[1] :] == 0)  # nothing predicts token 0; padding is 0
+    # temperature scales the logits before the softmax
+    learner.config.temperature = 0.5
+    try:
+        hot = learner.compute_logprobs(batch["token_ids"][:1], batch["attention_mask"][:1])
+    finally:
+        learner.config.temperature = 1.0
+    expected = token_logprobs(logits / 0.5, batch["token_ids"][:1, : LENGTHS[0]])
+    torch.testing.assert_close(hot[0, : LENGTHS[0]], expected[0], atol=1e-4, rtol=0)
+
+
+def test_batch_sizes_are_validated(stage_runs, batch):
+    learner, full = stage_runs["learner"], stage_runs["teacher_batch"]
+    with pytest.raises(ValueError, match="multiple"):
+        learner.update({k: v[:3] for k, v in full.items()})
+    with pytest.raises(KeyError):
+        learner.update({k: v for k, v in full.items() if k != "advantages"})
+    with pytest.raises(KeyError, match="teacher"):
+        learner.update(batch)  # teacher KL is on but the batch has no teacher inputs
+
+
+def test_checkpoint_resumes_exactly_even_under_another_zero_stage(stage_runs, batch, tmp_path):
+    """Save after one update (ZeRO-0), load into fresh ZeRO-2 and ZeRO-3 learners: the next steps match."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from actors.checkpoint import OPTIMIZER_FILE
+
+    trained = stage_runs["plain"]
+    trained.save_checkpoint(str(tmp_path))
+    files = sorted(p.name for p in (tmp_path / "learner").iterdir()) + sorted(p.name for p in (tmp_path / "policy").iterdir())
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pkl", ".pth"))]  # safe formats only
+    assert "model.safetensors" in files and "config.json" in files and "tokenizer.json" in files
+    saved = load_file(str(tmp_path / "learner" / OPTIMIZER_FILE))
+    assert {k.split("/")[0] for k in saved} == {"fp32", "exp_avg", "exp_avg_sq"}
+
+    policy = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"))  # plain transformers load
+    current = snapshot(trained)
+    assert torch.equal(policy.model.norm.weight, current["model.norm.weight"])
+
+    resumed = {stage: Learner(config(zero_stage=stage, micro_batch_size=2)) for stage in (2, 3)}
+    for learner in resumed.values():
+        meta = learner.load_checkpoint(str(tmp_path))
+        assert meta["adam_step"] == 1 and learner.version == trained.version == 1
+        torch.testing.assert_close(snapshot(learner), current, atol=0, rtol=0)
+    # Two PPO epochs over the batch: two optimizer steps, the second one off-policy.
+    trained.config.ppo_epochs = 2
+    a = trained.update(batch, step=1)
+    assert a["optimizer_steps"] == 2.0
+    assert a["approx_kl"] != 0.0 and a["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    after_a = snapshot(trained)
+    for stage, learner in resumed.items():
+        learner.config.ppo_epochs = 2
+        b = learner.update(batch, step=1)
+        assert b["pg_loss"] == pytest.approx(a["pg_loss"], abs=1e-6), stage
+        assert b["approx_kl"] == pytest.approx(a["approx_kl"], rel=1e-3, abs=1e-9), stage
+        after_b = snapshot(learner)
+        for name in WATCHED:
+            step_a = after_a[name] - current[name]
+            scale = float(step_a.abs().max())
+            assert scale > 0
+            torch.testing.assert_close(after_b[name] - current[name], step_a, atol=1e-3 * scale, rtol=1e-3)

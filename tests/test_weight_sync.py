@@ -1,0 +1,207 @@
+"""Weight sync from a DeepSpeed LearnerGroup (2 Ray actors, ZeRO-2, gloo) to an HF rollout worker.
+
+The headline check: after a sync, the rollout workers' logprobs of the tokens they sample equal
+the learner's logprobs of the same tokens (temperature 1, so the on-policy ratio is 1), through
+both the object-store path and the collective (gloo) path. One Ray session for the module; one
+rollout worker keeps it short (the broadcast to several receivers is tested with threads above).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from actors.engines import RolloutWorker, SamplingParams
+from actors.learner import Learner, LearnerConfig, LearnerGroup, make_train_batch
+from actors.weight_sync import FlatWeights, WeightSyncGroup, layout, pick_free_port
+
+QUESTIONS = ["What is the capital of France?", "Name three colours."]
+MAX_NEW = 8
+
+
+# --------------------------------------------------------------------- payload and transport
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(3, 5, generator=g),
+        "b.bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c.ids": torch.arange(11, dtype=torch.int64),
+        "d.flag": torch.tensor([True, False, True]),
+        "e.scalar": torch.tensor(2.5),
+    }
+
+
+def test_flat_weights_round_trip_keeps_names_dtypes_and_values():
+    tensors = sample_tensors()
+    flat = FlatWeights.from_named_tensors(tensors, version=4)
+    assert flat.version == 4 and flat.buffer.dtype.name == "uint8" and flat.buffer.ndim == 1
+    assert all(spec.offset % 64 == 0 for spec in flat.specs)
+    out = flat.state_dict()
+    assert list(out) == list(tensors)
+    for name, tensor in tensors.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor)
+    specs, total = layout((n, t.dtype, t.shape) for n, t in tensors.items())
+    assert specs == flat.specs and total == flat.nbytes
+
+
+def test_weight_sync_group_broadcasts_in_buckets_over_gloo():
+    tensors = {f"layer{i}.weight": torch.full((64,), float(i)) for i in range(6)}
+    tensors["mixed.bf16"] = torch.randn(33).to(torch.bfloat16)
+    port = pick_free_port("127.0.0.1")
+    received: dict = {}
+    errors: list = []
+
+    def receiver(rank: int):
+        try:
+            group = WeightSyncGroup("127.0.0.1", port, rank, 3, backend="gloo", bucket_bytes=300, timeout_s=60)
+            version, pairs = group.receive()
+            received[rank] = (version, {n: t.clone() for n, t in pairs})
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    sender = WeightSyncGroup("127.0.0.1", port, 0, 3, backend="gloo", bucket_bytes=300, timeout_s=60)
+    assert len(sender._buckets(layout((n, t.dtype, t.shape) for n, t in tensors.items())[0])) > 1
+    sent = sender.send(tensors, version=9)
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert sent >= sum(t.numel() * t.element_size() for t in tensors.values())
+    for rank in (1, 2):
+        version, got = received[rank]
+        assert version == 9 and list(got) == list(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(got[name], tensor)
+    with pytest.raises(RuntimeError):
+        sender.receive()
+    with pytest.raises(ValueError):
+        WeightSyncGroup("127.0.0.1", port, 0, 1)
+
+
+# --------------------------------------------------------------------- Ray: learners → workers
+
+
+def learner_config(**overrides) -> LearnerConfig:
+    # Adam's eps ≫ |g| makes the first step proportional to the gradient (not ≈ lr·sign(g)), so
+    # two runs that compute the same gradient in a different order take visibly the same step.
+    base = {
+        "zero_stage": 2, "micro_batch_size": 1, "mini_batch_size": 4, "grad_clip": 1e6, "seed": 0,
+        "optimizer": {"lr": 1e-3, "eps": 1.0, "weight_decay": 0.0},
+    }
+    base.update(overrides)
+    return LearnerConfig.from_dict(base)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        Worker = RolloutWorker.as_remote(num_cpus=1)
+        workers = [Worker.remote(engine="hf", model="smollm2-135m", num_threads=1)]
+        group = LearnerGroup(learner_config(num_threads=1), num_learners=2, resources={"num_cpus": 1})
+        ray.get([w.ping.remote() for w in workers])
+        yield {"ray": ray, "group": group, "workers": workers}
+        group.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    from raggym.models import converted_checkpoint, resolve_model_spec
+
+    tok = AutoTokenizer.from_pretrained(str(converted_checkpoint(resolve_model_spec("smollm2-135m"))))
+    return tok, [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"] for q in QUESTIONS]
+
+
+def rollout(cluster, prompts, seed: int):
+    """The worker samples each prompt twice; returns results and a train batch of the 4 sequences."""
+    ray = cluster["ray"]
+    tok, ids = prompts
+    plist = ids * 2
+    results = ray.get(cluster["workers"][0].generate.remote(plist, SamplingParams(temperature=1.0, seed=seed), (), MAX_NEW))
+    batch = make_train_batch(
+        [p + r.token_ids for p, r in zip(plist, results)],
+        [[0] * len(p) + [1] * len(r.token_ids) for p, r in zip(plist, results)],
+        [1.0, -1.0, -0.5, 0.5],
+        [[0.0] * len(p) + r.logprobs for p, r in zip(plist, results)],
+        pad_token_id=tok.pad_token_id,
+    )
+    return results, batch
+
+
+def max_logprob_gap(learner_lp: torch.Tensor, batch) -> float:
+    mask = batch["loss_mask"].bool()
+    return float((learner_lp - batch["old_logprobs"])[mask].abs().max())
+
+
+@pytest.fixture(scope="module")
+def first_update(cluster, prompts):
+    ray, group = cluster["ray"], cluster["group"]
+    results, batch = rollout(cluster, prompts, seed=100)
+    before = ray.get(group.publish_weights()).state_dict()
+    metrics = group.update(batch)
+    after = ray.get(group.publish_weights()).state_dict()
+    return {"results": results, "batch": batch, "metrics": metrics, "before": before, "after": after}
+
+
+def test_group_update_is_on_policy_at_the_first_mini_batch_and_moves_every_weight(first_update):
+    results, m = first_update["results"], first_update["metrics"]
+    assert {r.weight_version for r in results} == {0}
+    # old_logprobs are the rollout engine's own: learner/engine ratio ≈ 1 before any step.
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(m["approx_kl"]) < 1e-4 and m["clip_fraction"] == 0.0
+    assert m["weight_version"] == 1.0 and m["grad_norm"] > 0 and m["tokens_per_s"] > 0
+    before, after = first_update["before"], first_update["after"]
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_two_learners_take_the_same_step_as_one_learner_on_the_whole_batch(first_update):
+    # Data-parallel averaging plus the global token count make K=2 × (2 sequences, GA 2)
+    # equal to K=1 × (4 sequences, GA 1).
+    single = Learner(learner_config(zero_stage=0, micro_batch_size=4))
+    single.update(first_update["batch"])
+    reference = single.get_weights().state_dict()
+    for name in ("model.embed_tokens.weight", "model.layers.3.mlp.down_proj.weight", "model.norm.weight"):
+        delta = first_update["after"][name] - first_update["before"][name]
+        ref_delta = reference[name] - first_update["before"][name]
+        scale = float(ref_delta.abs().max())
+        assert scale > 0
+        torch.testing.assert_close(delta, ref_delta, atol=1e-2 * scale, rtol=1e-2)
+
+
+def test_object_store_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update):
+    group, workers, ray = cluster["group"], cluster["workers"], cluster["ray"]
+    # Before the sync the workers still sample from version 0, which the learners have left.
+    stale = group.compute_logprobs(first_update["batch"]["token_ids"], first_update["batch"]["attention_mask"])
+    assert max_logprob_gap(stale, first_update["batch"]) > 1e-2
+    report = group.sync_weights(workers)
+    assert report["weight_version"] == 1.0 and report["sync_seconds"] > 0
+    assert ray.get([w.weight_version.remote() for w in workers]) == [1]
+    results, batch = rollout(cluster, prompts, seed=200)
+    assert {r.weight_version for r in results} == {1}
+    fresh = group.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    assert max_logprob_gap(fresh, batch) < 1e-3
+
+
+def test_collective_gloo_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update):
+    group, workers = cluster["group"], cluster["workers"]
+    assert group.init_weight_sync(workers, backend="gloo") == 2  # learner rank 0 + one engine
+    _, batch = rollout(cluster, prompts, seed=300)
+    metrics = group.update(batch)
+    assert metrics["weight_version"] == 2.0
+    report = group.broadcast_weights(workers)
+    assert report["weight_version"] == 2.0 and report["bytes"] > 100e6
+    results, batch = rollout(cluster, prompts, seed=400)
+    assert {r.weight_version for r in results} == {2}
+    fresh = group.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    assert max_logprob_gap(fresh, batch) < 1e-3
