@@ -15,12 +15,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
+pytest.importorskip("deepspeed")
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "experiments" / "configs" / "cpu_tiny.yaml"
@@ -47,19 +49,20 @@ def cluster():
     try:
         yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", env
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
         # `ray stop` would stop every Ray instance on the machine; end only this cluster's processes.
         subprocess.run(["pkill", "-f", temp_dir], check=False)
         subprocess.run(["pkill", "-f", f"gcs_server_port={port}"], check=False)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _cfg(out_dir: Path, address: str, steps: int):
-    from experiments.train import load_config
-
-    return load_config(str(CONFIG), [f"run.out_dir={out_dir}", f"run.steps={steps}", "run.dump_trajectories=true",
-                                     f"ray.address={address}"])
+def _train(out_dir: Path, address: str, steps: int, env: dict) -> dict:
+    """The trainer as its own driver process against the cluster (a real process we can end)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--config", str(CONFIG), "--json", f"run.out_dir={out_dir}",
+         f"run.steps={steps}", "run.dump_trajectories=true", f"ray.address={address}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _read(path: Path) -> list[dict]:
@@ -78,13 +81,8 @@ def _policy_tensors(ckpt: Path) -> dict:
 @pytest.fixture(scope="module")
 def run_a(cluster, tmp_path_factory):
     address, _, env = cluster
-    os.environ["RAY_AUTH_MODE"] = "token"
-    from experiments.train import train
-
     out = tmp_path_factory.mktemp("runA")
-    ray.init(address=address, log_to_driver=False)
-    last = train(_cfg(out, address, 2))
-    return out, last
+    return out, _train(out, address, 2, env)
 
 
 def test_two_grpo_steps_update_the_policy(run_a, small_world):
@@ -147,22 +145,32 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
         np.testing.assert_allclose([t["advantage"] for t in rows], adv.numpy(), atol=1e-6)
 
 
-def test_kill_after_step_one_and_resume_as_a_ray_job_matches_uninterrupted(run_a, cluster, tmp_path_factory):
+def _submit(dashboard: str, env: dict, args: list[str]) -> subprocess.CompletedProcess:
+    """`ray job submit`, retried while the freshly started dashboard has no job agent yet."""
+    ray_bin = Path(sys.executable).parent / "ray"
+    for _ in range(12):
+        job = subprocess.run([str(ray_bin), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--", *args],
+                             env=env, capture_output=True, text=True, timeout=900)
+        if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr:
+            return job
+        time.sleep(5)
+    return job
+
+
+def test_killed_run_resumes_as_a_ray_job_and_matches_uninterrupted(run_a, cluster, tmp_path_factory):
+    """Run B is what a trainer killed right after step 1 leaves on disk (its config, its index and its
+    step-1 checkpoint, copied from run A, which wrote exactly that at step 1). Resuming it as a Ray
+    job must reproduce run A's step-2 batch and parameters."""
     out_a, _ = run_a
     address, dashboard, env = cluster
-    from experiments.train import train
-
     out_b = tmp_path_factory.mktemp("runB")
-    train(_cfg(out_b, address, 1))  # the run that "dies" after step 1 (its checkpoint survives)
-    assert (out_b / "checkpoints" / "step-000001" / "trainer_state.json").exists()
-    ray_bin = Path(sys.executable).parent / "ray"
-    job = subprocess.run(
-        [str(ray_bin), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
-         "python", "-m", "experiments.train", "--config", "experiments/configs/cpu_tiny.yaml",
-         f"run.out_dir={out_b}", "run.steps=2", "run.dump_trajectories=true"],
-        env=env, capture_output=True, text=True, timeout=900)
+    shutil.copytree(out_a / "index", out_b / "index")
+    shutil.copytree(out_a / "checkpoints" / "step-000001", out_b / "checkpoints" / "step-000001")
+    job = _submit(dashboard, env, ["python", "-m", "experiments.train", "--config", "experiments/configs/cpu_tiny.yaml",
+                                   f"run.out_dir={out_b}", "run.steps=2", "run.dump_trajectories=true"])
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert "resumed from" in job.stdout
+    assert "resumed from" in job.stdout and "at step 1" in job.stdout
+    assert [m["step"] for m in _read(out_b / "metrics.jsonl")] == [2]
     # the step-2 batch and the step-2 parameters equal the uninterrupted run's
     a2, b2 = _read(out_a / "trajectories" / "step-000002.jsonl"), _read(out_b / "trajectories" / "step-000002.jsonl")
     assert [t["token_ids"] for t in a2] == [t["token_ids"] for t in b2]
@@ -170,8 +178,11 @@ def test_kill_after_step_one_and_resume_as_a_ray_job_matches_uninterrupted(run_a
     assert pa.keys() == pb.keys()
     for k in pa:
         np.testing.assert_allclose(pa[k], pb[k], rtol=0, atol=1e-6)
-    # without the token the dashboard refuses the job
+
+
+def test_job_submission_without_the_token_is_refused(cluster):
+    _, dashboard, env = cluster
     plain = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
-    plain["RAY_AUTH_TOKEN_PATH"] = "/nonexistent"
-    refused = subprocess.run([str(ray_bin), "job", "list", "--address", dashboard], env=plain, capture_output=True, text=True, timeout=120)
-    assert refused.returncode != 0
+    refused = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "list", "--address", dashboard],
+                             env=plain, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "token" in (refused.stdout + refused.stderr).lower()
