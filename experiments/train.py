@@ -316,7 +316,7 @@ def train(cfg) -> dict:
         if address:  # a cluster (or a Ray job, which sets RAY_ADDRESS)
             ray.init(address=address, log_to_driver=False)
         else:  # standalone: a local Ray instance for this process
-            ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False)
     corpus, questions, index_dir = prepare_data(cfg, out_dir)
     schedule = reward_schedule_from_config(_plain(cfg.reward))
     sampler = PromptSampler(len(questions), int(cfg.run.seed))

@@ -11,7 +11,7 @@ from raggym.retrieval import Retriever  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 

@@ -101,7 +101,7 @@ def learner_config(**overrides) -> LearnerConfig:
 @pytest.fixture(scope="module")
 def cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         Worker = RolloutWorker.as_remote(num_cpus=1)
         workers = [Worker.remote(engine="hf", model="smollm2-135m", num_threads=1)]
