@@ -50,8 +50,10 @@ def cluster():
         yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", env
     finally:
         # `ray stop` would stop every Ray instance on the machine; end only this cluster's processes.
-        subprocess.run(["pkill", "-f", temp_dir], check=False)
-        subprocess.run(["pkill", "-f", f"gcs_server_port={port}"], check=False)
+        for signal in ("-TERM", "-KILL"):
+            subprocess.run(["pkill", signal, "-f", temp_dir], check=False)
+            subprocess.run(["pkill", signal, "-f", f"gcs_server_port={port}"], check=False)
+            time.sleep(1.0)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
