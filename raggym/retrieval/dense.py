@@ -3,10 +3,17 @@
 Ranking contract. A search returns, per query, the k rows with the highest inner product,
 ordered by (score descending, row ascending). The row tie-break makes the answer unique, and that
 uniqueness is what lets a sharded search equal the unsharded one *exactly*: every shard returns
-its own canonical top-k, and ``merge_topk`` re-sorts the union with the same key. FAISS itself
-breaks ties at the k-th position arbitrarily, so ``_canonical_topk`` widens the request until the
-k-th score is strictly above the last score FAISS returned (or the shard is exhausted); only then
-is every tied row known.
+its own canonical top-k, and ``merge_topk`` re-sorts the union with the same key.
+
+Two FAISS behaviours stand in the way, and ``_canonical_topk`` handles both for the exact (flat)
+index. FAISS breaks ties at the k-th position arbitrarily, and it computes inner products with
+different kernels depending on the batch size (per-query SIMD loops, or BLAS matrix products for
+20+ queries; the two differ in the last bits). So each shard asks FAISS for candidates until the
+k-th score exceeds the last returned one by more than the float32 rounding bound
+``2 * d * 2^-24 * |q| * max|x|`` (or the shard is exhausted), then rescores those candidates with
+one fixed float64 routine and sorts them canonically. The final scores therefore depend only on
+(query, vector), never on the shard layout, the batch size or the FAISS code path. ANN indexes
+(HNSW, IVF) are approximate by design and keep FAISS's scores.
 
 Rows are global passage positions; shard ``s`` holds the contiguous rows
 ``[offsets[s], offsets[s+1])``. The Ray layer can put one shard per actor and reuse
@@ -20,6 +27,7 @@ distance-computation counter for that query alone.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +51,7 @@ class DenseConfig:
     hnsw_m: int = 32
     hnsw_ef_construction: int = 200
     hnsw_ef_search: int = 128
-    ivf_nlist: int | None = None  # default: about 4 * sqrt(rows per shard)
+    ivf_nlist: int | None = None  # default: 4 * sqrt(rows per shard), at most rows / 39
     ivf_nprobe: int = 16
 
     def validate(self) -> "DenseConfig":
@@ -78,20 +86,79 @@ def merge_topk(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.n
     return out_scores, out_rows
 
 
+def exact_scores(queries: np.ndarray, vectors: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Inner products of each query with its candidate rows, by one fixed float64 routine.
+
+    The value for a (query, row) pair never depends on which other rows are scored with it.
+    Rows < 0 get -inf.
+    """
+    safe = np.where(rows >= 0, rows, 0)
+    cand = vectors[safe].astype(np.float64)  # [q, m, d]
+    scores = np.einsum("qmd,qd->qm", cand, queries.astype(np.float64)).astype(np.float32)
+    return np.where(rows >= 0, scores, -np.inf).astype(np.float32)
+
+
+_NORM_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # FAISS index -> (ntotal, max row norm)
+
+
+def flat_storage(index) -> tuple[np.ndarray, float] | None:
+    """``(zero-copy view of the vectors, largest row norm)`` of a flat FAISS index, else None.
+
+    The norm is cached on the index object, so repeated searches do not rescan the vectors.
+    """
+    faiss = _faiss()
+    flat = faiss.downcast_index(index)
+    if not isinstance(flat, faiss.IndexFlat):
+        return None
+    view = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d) if flat.ntotal else np.zeros((0, flat.d), np.float32)
+    cached = _NORM_CACHE.get(index)
+    if cached is None or cached[0] != flat.ntotal:
+        cached = (flat.ntotal, _max_row_norm(view))
+        _NORM_CACHE[index] = cached
+    return view, cached[1]
+
+
+def search_shard_canonical(index, queries: np.ndarray, k: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Canonical top-k of one FAISS index (e.g. a shard loaded by a Ray actor), rows + ``offset``.
+
+    Merging such results from every shard with ``merge_topk`` equals the unsharded search,
+    ids and scores (exact rescoring for flat indexes; see the module docstring).
+    """
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    scores, rows = _canonical_topk(index, queries, int(k), int(index.ntotal))
+    return scores, np.where(rows >= 0, rows + int(offset), -1)
+
+
 def _canonical_topk(index, queries: np.ndarray, k: int, ntotal: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k of one FAISS index in canonical (score desc, row asc) order, ties fully resolved."""
+    """Top-k of one FAISS index in canonical (score desc, row asc) order, ties fully resolved.
+
+    Flat indexes: candidates are taken with a rounding margin and rescored exactly (module
+    docstring). Other kinds: FAISS scores, ties resolved by widening the request.
+    """
+    with _BlasForBatches():
+        return _canonical_topk_inner(index, queries, k, ntotal)
+
+
+def _canonical_topk_inner(index, queries: np.ndarray, k: int, ntotal: int) -> tuple[np.ndarray, np.ndarray]:
+    storage = flat_storage(index)
+    vectors, max_norm = storage if storage is not None else (None, 1.0)
     nq = queries.shape[0]
     k_eff = min(k, ntotal)
     if k_eff == 0 or nq == 0:
         return np.full((nq, k), -np.inf, np.float32), np.full((nq, k), -1, np.int64)
-    want = min(k_eff + 1, ntotal)
+    if vectors is not None:
+        unit = 2.0 ** -24
+        margin = 2.0 * queries.shape[1] * unit * np.linalg.norm(queries.astype(np.float64), axis=1) * max_norm
+    else:
+        margin = np.zeros(nq)
+    want = min(k_eff + 1 if vectors is None else k_eff + 8, ntotal)
     scores, rows = index.search(queries, want)
     pending = np.arange(nq)
-    final_s = np.empty((nq, want), np.float32)
-    final_r = np.empty((nq, want), np.int64)
+    final_s = np.full((nq, want), -np.inf, np.float32)
+    final_r = np.full((nq, want), -1, np.int64)
     while True:
         s, r = scores, rows
-        complete = (want >= ntotal) | (s[:, k_eff - 1] > s[:, want - 1]) | (r[:, want - 1] < 0)
+        complete = (want >= ntotal) | (s[:, k_eff - 1] - margin[pending] > s[:, want - 1]) | (r[:, want - 1] < 0)
         if final_s.shape[1] != want:  # widen the holding arrays after a re-query
             final_s = np.pad(final_s, ((0, 0), (0, want - final_s.shape[1])), constant_values=-np.inf)
             final_r = np.pad(final_r, ((0, 0), (0, want - final_r.shape[1])), constant_values=-1)
@@ -102,7 +169,37 @@ def _canonical_topk(index, queries: np.ndarray, k: int, ntotal: int) -> tuple[np
             break
         want = min(want * 2, ntotal)
         scores, rows = index.search(np.ascontiguousarray(queries[pending]), want)
+    if vectors is not None:
+        final_s = exact_scores(queries, vectors, final_r)
     return merge_topk([(final_s, final_r)], k)
+
+
+def _max_row_norm(vectors: np.ndarray, chunk: int = 65536) -> float:
+    best = 0.0
+    for start in range(0, len(vectors), chunk):
+        block = vectors[start : start + chunk].astype(np.float64)
+        best = max(best, float(np.sqrt((block * block).sum(1).max())) if len(block) else 0.0)
+    return best
+
+
+class _BlasForBatches:
+    """Let FAISS use BLAS for batches of 20+ queries (faiss 1.15's default threshold is 128,000).
+
+    Exact results do not depend on it (candidates are rescored); only speed does.
+    """
+
+    def __enter__(self):
+        import faiss
+
+        self.old = faiss.cvar.distance_compute_blas_threshold
+        faiss.cvar.distance_compute_blas_threshold = 20
+        return self
+
+    def __exit__(self, *exc):
+        import faiss
+
+        faiss.cvar.distance_compute_blas_threshold = self.old
+        return False
 
 
 class DenseIndex:
@@ -113,6 +210,8 @@ class DenseIndex:
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.dim = int(dim)
         self.config = config
+        for shard in shards:
+            flat_storage(shard)  # compute and cache the norm bound once, at build/load time
 
     # ------------------------------------------------------------------ construction
 
@@ -142,7 +241,8 @@ class DenseIndex:
             index.hnsw.efConstruction = config.hnsw_ef_construction
             index.hnsw.efSearch = config.hnsw_ef_search
         else:
-            nlist = config.ivf_nlist or max(1, int(round(4 * np.sqrt(block.shape[0]))))
+            # 4 sqrt(n) lists, but at least 39 training points per centroid (FAISS's minimum)
+            nlist = config.ivf_nlist or max(1, min(int(round(4 * np.sqrt(block.shape[0]))), block.shape[0] // 39))
             nlist = min(nlist, block.shape[0])
             quantizer = faiss.IndexFlatIP(dim)
             index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
@@ -164,18 +264,12 @@ class DenseIndex:
             raise ValueError(f"queries must have shape [q, {self.dim}], got {queries.shape}")
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        parts = []
-        for s, shard in enumerate(self.shards):
-            size = int(self.offsets[s + 1] - self.offsets[s])
-            sc, rows = _canonical_topk(shard, queries, int(k), size)
-            parts.append((sc, np.where(rows >= 0, rows + self.offsets[s], -1)))
+        parts = [self.search_shard(s, queries, int(k)) for s in range(len(self.shards))]
         return merge_topk(parts, int(k))
 
     def search_shard(self, shard: int, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One shard's canonical top-k with global rows (what a per-shard actor would return)."""
-        size = int(self.offsets[shard + 1] - self.offsets[shard])
-        sc, rows = _canonical_topk(self.shards[shard], np.ascontiguousarray(queries, dtype=np.float32), int(k), size)
-        return sc, np.where(rows >= 0, rows + self.offsets[shard], -1)
+        return search_shard_canonical(self.shards[shard], queries, k, int(self.offsets[shard]))
 
     def cost(self, queries: np.ndarray) -> np.ndarray:
         """Vectors scanned per query (deterministic; see the module docstring)."""

@@ -242,7 +242,8 @@ class KnowledgeGraph:
         fact_scores = np.atleast_2d(np.asarray(fact_scores, dtype=np.float32))
         dense_scores = np.atleast_2d(np.asarray(dense_scores, dtype=np.float32))
         batch = dense_scores.shape[0]
-        reset = np.zeros((batch, self.n_nodes), dtype=np.float32)
+        # Fortran order: the PPR engine wants [nodes, batch] and gets it without a transpose.
+        reset = np.zeros((batch, self.n_nodes), dtype=np.float32, order="F")
         reset[:, : self.n_passages] = min_max(dense_scores, axis=1) * passage_node_weight
         kept: list[list[tuple[int, float]]] = []
         n_facts = fact_scores.shape[1] if fact_scores.size else 0
