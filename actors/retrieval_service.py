@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from raggym.retrieval import Retriever
-from raggym.retrieval.dense import _canonical_topk, merge_topk
+from raggym.retrieval.dense import merge_topk, search_shard_canonical
 
 RESTARTS = dict(max_restarts=3, max_task_retries=3)  # a killed actor comes back; its calls are retried
 
@@ -62,8 +62,7 @@ class IndexShard:
         self.shard = shard
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        scores, rows = _canonical_topk(self.index, np.ascontiguousarray(queries, dtype=np.float32), int(k), self.size)
-        return scores, np.where(rows >= 0, rows + self.offset, -1)
+        return search_shard_canonical(self.index, np.ascontiguousarray(queries, dtype=np.float32), int(k), self.offset)
 
     def ping(self) -> int:
         return self.shard

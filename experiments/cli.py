@@ -19,7 +19,6 @@ import sys
 # Subcommands whose implementation arrives with a later issue. Calling one says so and fails;
 # it never pretends to have done the work.
 _PENDING = {
-    "train": "GRPO training recipes (runtime issue #6 and experiments issue #7)",
     "eval": "the evaluation harness (experiments issue #7)",
     "serve": "the Ray Serve deployment (serving issue #8)",
 }
@@ -99,6 +98,21 @@ def _add_retrieval(sub):
         p.set_defaults(func=getattr(mod, f"run_{name}"))
 
 
+def _add_train(sub):
+    p = sub.add_parser("train", help="GRPO-family training on Ray (same as python -m experiments.train)",
+                       description="Train a policy with a YAML config plus key=value overrides; resumes from the latest checkpoint.")
+    p.add_argument("--config", default=None, help="YAML config, e.g. experiments/configs/cpu_tiny.yaml")
+    p.add_argument("--json", action="store_true", help="print the last step's metrics as JSON")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.steps=4")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args) -> int:
+    from experiments.train import main as train_main
+
+    return train_main((["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + list(args.overrides))
+
+
 def _add_bench(sub):
     p = sub.add_parser("bench", help="run a benchmark script and print JSON",
                        description="Run experiments/bench_NAME.py; remaining arguments go to the script.")
@@ -130,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_retrieval(sub)
+    _add_train(sub)
     for name, what in _PENDING.items():
         p = sub.add_parser(name, help=f"(pending) {what}", description=f"Not implemented yet: {what}.")
         p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -24,7 +24,7 @@ def test_each_subcommand_has_help(name, capsys):
     assert "usage: raggym " + name in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["train", "eval", "serve"])
+@pytest.mark.parametrize("name", ["eval", "serve"])
 def test_pending_subcommands_say_so_and_fail(name, capsys):
     assert main([name]) == 3
     err = capsys.readouterr().err
@@ -45,6 +45,12 @@ def test_synth_writes_loadable_files(tmp_path, capsys):
     corpus = load_corpus(tmp_path / "w" / "corpus.jsonl")
     assert len(corpus) == stats["passages"]
     assert len(load_questions(tmp_path / "w" / "questions.jsonl", corpus)) == 10
+
+
+def test_train_rejects_a_missing_config_in_one_line(capsys, tmp_path):
+    assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err
 
 
 def test_bad_arguments_give_one_line_errors(capsys, tmp_path):

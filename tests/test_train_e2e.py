@@ -139,7 +139,7 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
                 spans.append(current)
             assert spans == [x["token_ids"] for x in t["turns"]]
             assert [tok.decode(s) for s in spans] == [x["text"] for x in t["turns"]]
-            assert sum(mask) <= 48
+            assert sum(mask) <= 32
         outcomes = [EpisodeOutcome.from_dict(t["episode"]) for t in rows]
         rewards = schedule(step - 1)(outcomes)
         np.testing.assert_allclose([t["reward"] for t in rows], rewards, atol=1e-9)
