@@ -80,20 +80,9 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
 
 def atomic_save_npy(path: str | os.PathLike, array: np.ndarray) -> Path:
     """``np.save`` through a temporary file and a rename (used for the embedding cache)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    from raggym.data.loaders import atomic_write
+
+    return atomic_write(path, lambda fh: np.save(fh, np.ascontiguousarray(array), allow_pickle=False), mode="wb")
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
