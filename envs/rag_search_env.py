@@ -63,6 +63,12 @@ class RagSearchEnv(gym.Env):
         Retrieval mode for dialects whose searches carry no mode; defaults to the dialect's own
         (passage for Search-R1 and LWS, graph for Graph-R1 and GraphRAG-R1). RouteRAG searches
         always name their mode.
+    allowed_modes:
+        Optional subset of ``passage``/``graph``/``hybrid`` the agent may use (single-mode
+        ablations, a served request's ``modes``). The prompt describes only these. With exactly
+        one allowed mode every search runs in it, whatever mode tag the segment carries (the
+        record keeps the mode that ran); with several, a search naming another mode is a format
+        error that lists the allowed ones. Dialects without mode syntax accept one mode only.
     top_k, retrieval_budget:
         Hits per search (3) and the budget B of search or format-error turns (4).
     reward_fn:
@@ -90,6 +96,7 @@ class RagSearchEnv(gym.Env):
         dialect: str | Dialect = "routerag",
         *,
         search_mode: str | None = None,
+        allowed_modes: Any = None,
         top_k: int = 3,
         retrieval_budget: int = 4,
         reward_fn: Callable[[EpisodeRecord], float] | None = None,
@@ -111,6 +118,9 @@ class RagSearchEnv(gym.Env):
         self.search_mode = search_mode or self.dialect.default_mode
         if self.search_mode not in MODES:
             raise ValueError(f"unknown search_mode {self.search_mode!r}; expected one of {MODES}")
+        self.allowed_modes = self._check_allowed_modes(allowed_modes)
+        if self.allowed_modes is not None and not self.dialect.modes:
+            self.search_mode = self.allowed_modes[0]
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
         if retrieval_budget < 0:
@@ -144,6 +154,19 @@ class RagSearchEnv(gym.Env):
         self._chars = 0
         self._tokens = 0
 
+    def _check_allowed_modes(self, allowed) -> tuple[str, ...] | None:
+        if allowed is None:
+            return None
+        if isinstance(allowed, str):
+            allowed = (allowed,)
+        modes = tuple(dict.fromkeys(allowed))
+        unknown = [m for m in modes if m not in MODES]
+        if not modes or unknown:
+            raise ValueError(f"allowed_modes must be a non-empty subset of {MODES}, got {list(allowed)}")
+        if not self.dialect.modes and len(modes) > 1:
+            raise ValueError(f"the {self.dialect.name} dialect has no mode syntax; allow exactly one mode, got {list(modes)}")
+        return modes
+
     # ------------------------------------------------------------------ API
 
     @property
@@ -161,6 +184,8 @@ class RagSearchEnv(gym.Env):
         question = self._questions.pick(options, self.np_random)
         if self.prompt_fn is not None:
             prompt = self.prompt_fn(question, self.dialect)
+        elif self.allowed_modes is not None and self.dialect.modes:
+            prompt = self.dialect.instruction_prompt(question.question, modes=self.allowed_modes)
         else:
             prompt = self.dialect.instruction_prompt(question.question)
         if not isinstance(prompt, str) or len(prompt) > self.max_prompt_chars:
@@ -211,9 +236,17 @@ class RagSearchEnv(gym.Env):
         if self._budget_used >= self.retrieval_budget:
             return self._budget_exhausted_turn(segment, action)
         if action.kind == SEARCH:
-            return RetrievalRequest(
-                self, self.retriever, action.mode or self.search_mode, self.top_k, action.query, segment, action
-            )
+            mode = action.mode or self.search_mode
+            if self.allowed_modes is not None and mode not in self.allowed_modes:
+                if len(self.allowed_modes) == 1:
+                    mode = self.allowed_modes[0]
+                else:
+                    action = invalid(
+                        f"retrieval mode {mode} is not available here; use one of {', '.join(self.allowed_modes)}",
+                        action.reasoning,
+                    )
+            if action.kind == SEARCH:
+                return RetrievalRequest(self, self.retriever, mode, self.top_k, action.query, segment, action)
         # think-only or invalid: tell the model what went wrong, in the dialect's own tags
         observation = self.dialect.render_error(action.error or "unknown error", self.max_observation_chars)
         turn = TurnRecord(

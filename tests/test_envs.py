@@ -426,3 +426,47 @@ def test_sync_vector_env_steps_and_autoresets():
     assert list(terminated) == [True, False, True]
     assert "Inception" in obs[1]  # the finished episode was reset
     vec.close()
+
+
+# ---------------------------------------------------------------- allowed_modes (ablations, serving)
+
+
+def test_single_allowed_mode_forces_every_search_into_it():
+    from envs import RagSearchEnv
+    from raggym.data import Question
+
+    retriever = make_retriever()
+    env = RagSearchEnv(retriever, [Question(id="q", question="Where is Paris?", answers=("France",))],
+                       allowed_modes=("graph",))
+    prompt, _ = env.reset(seed=0)
+    assert "[graph]" in prompt and "[passage]," not in prompt and "no other mode" in prompt
+    _, _, term, trunc, info = env.step("<think>x</think><search> [passage] paris </search>")
+    assert (term, trunc) == (False, False) and not info["format_error"]
+    assert [c[1] for c in retriever.calls] == ["graph"] and info["mode"] == "graph"
+
+
+def test_disallowed_mode_among_several_is_a_format_error_naming_the_allowed_ones():
+    from envs import RagSearchEnv
+    from raggym.data import Question
+
+    retriever = make_retriever()
+    env = RagSearchEnv(retriever, [Question(id="q", question="Where is Paris?", answers=("France",))],
+                       allowed_modes=("passage", "hybrid"))
+    env.reset(seed=0)
+    obs, _, _, _, info = env.step("<think>x</think><search> [graph] paris </search>")
+    assert info["format_error"] and "passage, hybrid" in obs and retriever.calls == []
+    _, _, _, _, info = env.step("<think>x</think><search> [graph][passage] paris </search>")
+    assert not info["format_error"] and [c[1] for c in retriever.calls] == ["hybrid"]
+
+
+def test_allowed_modes_are_validated():
+    from envs import RagSearchEnv
+    from raggym.data import Question
+
+    qs = [Question(id="q", question="Where is Paris?", answers=("France",))]
+    with pytest.raises(ValueError, match="subset"):
+        RagSearchEnv(make_retriever(), qs, allowed_modes=("table",))
+    with pytest.raises(ValueError, match="no mode syntax"):
+        RagSearchEnv(make_retriever(), qs, dialect="search_r1", allowed_modes=("passage", "graph"))
+    env = RagSearchEnv(make_retriever(), qs, dialect="search_r1", allowed_modes=("graph",))
+    assert env.search_mode == "graph"

@@ -23,6 +23,7 @@ _MODE_BY_TAGS = {
     frozenset({"graph"}): "graph",
     frozenset({"graph", "passage"}): "hybrid",
 }
+_TAG_OF_MODE = {"passage": "[passage]", "graph": "[graph]", "hybrid": "[graph][passage]"}
 
 
 class RouteRAGDialect(Dialect):
@@ -62,17 +63,36 @@ class RouteRAGDialect(Dialect):
             "[graph][passage] as the mode; to finish, write <answer> your answer </answer>."
         )
 
-    def instruction_prompt(self, question: str, max_searches: int | None = None, **_: object) -> str:
+    def instruction_prompt(self, question: str, max_searches: int | None = None,
+                           modes: tuple[str, ...] | None = None, **_: object) -> str:
+        """The task prompt; ``modes`` restricts the retrieval modes it describes (ablations, serving)."""
         budget = f" You may search at most {max_searches} times." if max_searches else ""
+        if modes is None or set(modes) == set(self.modes):
+            how = (
+                "<search>, then a retrieval mode, then your query, then </search>. The modes are "
+                "[passage], which looks up text passages and is cheap; [graph], which follows a "
+                "knowledge graph of entities and their relations and helps to connect facts from "
+                "different documents, at a higher cost; and [graph][passage], which uses both and "
+                "merges their results. For example: <search> [graph] who directed the film "
+                "Inception </search>."
+            )
+        else:
+            unknown = [m for m in modes if m not in self.modes]
+            if unknown or not modes:
+                raise ValueError(f"unknown retrieval modes {unknown or list(modes)}; expected a subset of {self.modes}")
+            tags = [_TAG_OF_MODE[m] for m in self.modes if m in modes]
+            what = {"passage": "text passages", "graph": "a knowledge graph of entities and their relations",
+                    "hybrid": "both text passages and the knowledge graph, merged"}
+            listed = "; ".join(f"{_TAG_OF_MODE[m]} searches {what[m]}" for m in self.modes if m in modes)
+            how = (
+                f"<search>, then the retrieval mode {' or '.join(tags)}, then your query, then </search> "
+                f"({listed}; no other mode is available). For example: <search> {tags[0]} who directed "
+                "the film Inception </search>."
+            )
         return (
             "Answer the question below, working in turns. Begin every turn by reasoning inside "
             "<think> and </think>. If you are missing a fact, run one search in that turn: write "
-            "<search>, then a retrieval mode, then your query, then </search>. The modes are "
-            "[passage], which looks up text passages and is cheap; [graph], which follows a "
-            "knowledge graph of entities and their relations and helps to connect facts from "
-            "different documents, at a higher cost; and [graph][passage], which uses both and "
-            "merges their results. For example: <search> [graph] who directed the film "
-            "Inception </search>. The results arrive between <information> and </information>."
+            f"{how} The results arrive between <information> and </information>."
             f"{budget} Once you know the answer, give it inside <answer> and </answer> as a short "
             "phrase without explanation, for example <answer> Paris </answer>.\n\n"
             f"Question: {question}\n"
