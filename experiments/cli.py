@@ -19,8 +19,6 @@ import sys
 # Subcommands whose implementation arrives with a later issue. Calling one says so and fails;
 # it never pretends to have done the work.
 _PENDING = {
-    "eval": "the evaluation harness (experiments issue #7)",
-    "serve": "the Ray Serve deployment (serving issue #8)",
 }
 
 
@@ -30,12 +28,35 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_demo(sub):
-    p = sub.add_parser("demo", help="run the main job on the embedded default (synthetic world)",
-                       description="Build the seeded synthetic multi-hop world and print its statistics.")
+    p = sub.add_parser("demo", help="the main job on the embedded default: world -> index -> eval -> SFT -> GRPO -> eval -> report",
+                       description="Generate a synthetic world, build its index and graph, evaluate SmolLM2-135M, "
+                                   "SFT it on golden trajectories, run two-stage RouteRAG GRPO on local Ray, evaluate "
+                                   "again on held-out questions and write report.md/report.json/plots under --out.")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo; replaced unless --resume)")
+    p.add_argument("--resume", action="store_true", help="keep --out and reuse its index and checkpoints")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--entities", type=int, default=2000, help="number of entities (default 2000)")
-    p.add_argument("--out", default=None, help="also write the world's files to this directory")
-    p.add_argument("--json", action="store_true", help="print statistics as one JSON object")
+    p.add_argument("--entities", type=int, default=300, help="synthetic world size (default 300)")
+    p.add_argument("--questions", type=int, default=240, help="questions generated (default 240)")
+    p.add_argument("--max-hops", type=int, default=1, help="longest bridge chain (default 1)")
+    p.add_argument("--heldout-fraction", type=float, default=0.25)
+    p.add_argument("--eval-questions", type=int, default=32, help="held-out questions evaluated (default 32)")
+    p.add_argument("--systems", nargs="+", default=["agent"], help="evaluated systems (default: agent)")
+    p.add_argument("--policy", default="smollm2-135m", help="starting policy (model spec or HF dir)")
+    p.add_argument("--sft-examples", type=int, default=96)
+    p.add_argument("--sft-epochs", type=int, default=2)
+    p.add_argument("--sft-lr", type=float, default=1e-4)
+    p.add_argument("--sft-batch", type=int, default=8)
+    p.add_argument("--rl-steps", type=int, default=4)
+    p.add_argument("--stage2-start", type=int, default=2, help="first RL step of stage 2 (EM + efficiency)")
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--rl-lr", type=float, default=1e-5)
+    p.add_argument("--turn-tokens", type=int, default=48, help="tokens per generated turn")
+    p.add_argument("--eval-response-tokens", type=int, default=128)
+    p.add_argument("--world-only", action="store_true", help="only build the world and print its statistics")
+    p.add_argument("--world-out", default=None, help="with --world-only: also write the world's files here")
+    p.add_argument("--json", action="store_true", help="print the summary (or world statistics) as one JSON object")
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides for the GRPO config")
     p.set_defaults(func=_run_demo)
 
 
@@ -113,6 +134,23 @@ def _run_train(args) -> int:
     return train_main((["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + list(args.overrides))
 
 
+def _add_eval(sub):
+    from experiments.evaluate import add_arguments
+
+    p = sub.add_parser("eval", help="evaluate a policy: datasets x systems (same as python -m experiments.evaluate)",
+                       description="Evaluate a policy on datasets with baseline systems (direct, vanilla_rag, agent, "
+                                   "single-mode ablations) through the Ray rollout path; writes results.json, "
+                                   "results.md and trajectories/*.jsonl under --out.")
+    add_arguments(p)
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args) -> int:
+    from experiments.evaluate import run
+
+    return run(args)
+
+
 def _add_bench(sub):
     p = sub.add_parser("bench", help="run a benchmark script and print JSON",
                        description="Run experiments/bench_NAME.py; remaining arguments go to the script.")
@@ -134,6 +172,16 @@ def _run_bench(args) -> int:
     return int(mod.main(args.rest) or 0)
 
 
+def _add_serve(sub):
+    p = sub.add_parser("serve", help="serve a trained agent over HTTP with Ray Serve (blocks until Ctrl-C)",
+                       description="Deploy the retrieval service, the policy engine and the agent loop; "
+                                   "POST /v1/answer, OpenAI-compatible /v1/chat/completions. See docs/serving.md.")
+    from experiments.serve import add_arguments, run_serve
+
+    add_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
 def _pending(name: str, what: str) -> int:
     print(f"raggym {name}: not implemented yet; it arrives with {what}.", file=sys.stderr)
     return 3
@@ -145,10 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_retrieval(sub)
     _add_train(sub)
+    _add_eval(sub)
     for name, what in _PENDING.items():
         p = sub.add_parser(name, help=f"(pending) {what}", description=f"Not implemented yet: {what}.")
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=lambda a, n=name, w=what: _pending(n, w))
+    _add_serve(sub)
     _add_demo(sub)
     _add_bench(sub)
     _add_synth(sub)

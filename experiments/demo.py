@@ -41,7 +41,8 @@ def run_demo(args) -> int:
 def run_pipeline(args) -> dict | int:
     import ray
 
-    from experiments.evaluate import evaluate, split_questions
+    from experiments.evaluate import evaluate
+    from raggym.data.splits import split_questions
     from experiments.report import read_jsonl, write_report
     from experiments.sft import golden_examples, run_sft
     from experiments.train import load_config, train

@@ -24,15 +24,15 @@ def test_each_subcommand_has_help(name, capsys):
     assert "usage: raggym " + name in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["eval", "serve"])
-def test_pending_subcommands_say_so_and_fail(name, capsys):
-    assert main([name]) == 3
-    err = capsys.readouterr().err
-    assert "not implemented yet" in err and "issue #" in err
+def test_serve_without_index_fails_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve"])
+    assert exc.value.code == 2
+    assert "--index" in capsys.readouterr().err
 
 
 def test_demo_json_reports_world_statistics(capsys):
-    assert main(["demo", "--json", "--entities", "300"]) == 0
+    assert main(["demo", "--world-only", "--json", "--entities", "300"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["entities"] >= 300 and stats["passages"] > stats["entities"] and stats["questions"] == 200
     assert set(stats["questions_by_kind"]) == {"bridge", "comparison", "single"}

@@ -8,7 +8,7 @@
 
 from actors.engines.base import GenerationEngine, GenerationResult, SamplingParams, derive_seed
 from actors.engines.hf import HFEngine, process_logits
-from actors.engines.rollout_worker import RolloutWorker, make_engine
+from actors.engines.rollout_worker import RolloutWorker, make_engine, register_engine
 from actors.engines.vllm_engine import VLLMEngine, VLLMUnavailableError, vllm_available
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "VLLMUnavailableError",
     "derive_seed",
     "make_engine",
+    "register_engine",
     "process_logits",
     "vllm_available",
 ]

@@ -19,8 +19,24 @@ from typing import Sequence
 from actors.engines.base import GenerationResult, SamplingParams
 
 
+# name -> factory(**kwargs) -> engine; filled by register_engine
+ENGINE_FACTORIES: dict = {}
+
+
+def register_engine(name: str, factory, *, replace: bool = False) -> None:
+    """Make ``make_engine(name, **kwargs)`` (and so ``RolloutWorker(engine=name)``) build
+    ``factory(**kwargs)``. Registration is per process; for Ray actors pass the engine as an
+    import string ``"package.module:Factory"`` instead, which every process can resolve."""
+    if name in ("hf", "vllm") or (name in ENGINE_FACTORIES and not replace):
+        raise ValueError(f"engine {name!r} is already registered")
+    if not callable(factory):
+        raise TypeError(f"engine factory for {name!r} must be callable")
+    ENGINE_FACTORIES[name] = factory
+
+
 def make_engine(engine: str = "hf", **kwargs):
-    """Build an engine by name: ``"hf"`` (``HFEngine``) or ``"vllm"`` (``VLLMEngine``)."""
+    """Build an engine by name: ``"hf"`` (``HFEngine``), ``"vllm"`` (``VLLMEngine``), a name
+    given to ``register_engine``, or an import string ``"module:callable"``."""
     if engine == "hf":
         from actors.engines.hf import HFEngine
 
@@ -29,7 +45,19 @@ def make_engine(engine: str = "hf", **kwargs):
         from actors.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(**kwargs)
-    raise ValueError(f"unknown engine {engine!r}; expected 'hf' or 'vllm'")
+    if engine in ENGINE_FACTORIES:
+        return ENGINE_FACTORIES[engine](**kwargs)
+    if isinstance(engine, str) and ":" in engine:
+        import importlib
+
+        module, _, attr = engine.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot import engine {engine!r}: {exc}") from exc
+        return factory(**kwargs)
+    known = ", ".join(["'hf'", "'vllm'", *(repr(n) for n in ENGINE_FACTORIES)])
+    raise ValueError(f"unknown engine {engine!r}; expected {known} or 'module:callable'")
 
 
 class RolloutWorker:
@@ -82,4 +110,4 @@ class RolloutWorker:
         return True
 
 
-__all__ = ["RolloutWorker", "make_engine"]
+__all__ = ["ENGINE_FACTORIES", "RolloutWorker", "make_engine", "register_engine"]

@@ -27,7 +27,14 @@ from raggym.protocol.graph_r1 import GraphR1Dialect
 from raggym.protocol.graphrag_r1 import GraphRAGR1Dialect
 from raggym.protocol.lws import LWSDialect
 from raggym.protocol.r1_router import PAPER_KNOWLEDGE_BASES, R1RouterDialect
-from raggym.protocol.registry import DIALECT_CLASSES, DIALECT_NAMES, DIALECTS, get_dialect
+from raggym.protocol.registry import (
+    DIALECT_CLASSES,
+    DIALECT_NAMES,
+    DIALECTS,
+    get_dialect,
+    register_dialect,
+    unregister_dialect,
+)
 from raggym.protocol.routerag import RouteRAGDialect
 from raggym.protocol.search_r1 import SearchR1Dialect
 from raggym.protocol.tags import scan_tags
@@ -46,6 +53,8 @@ __all__ = [
     "DIALECT_CLASSES",
     "DIALECT_NAMES",
     "get_dialect",
+    "register_dialect",
+    "unregister_dialect",
     "RouteRAGDialect",
     "SearchR1Dialect",
     "GraphR1Dialect",

@@ -337,3 +337,53 @@ class Dialect:
             return "empty answer"
         return None
 
+
+    # ------------------------------------------------------- writing segments
+    #
+    # The inverse of ``parse``: the text a model following this dialect would write for one
+    # action. Used to build golden (supervised) transcripts; every helper checks that its output
+    # parses back to the intended action, so a query or answer that would break the grammar (for
+    # example one containing a tag) raises ``ValueError`` instead of producing a bad example.
+
+    def _action_block(self, kind: str) -> str:
+        for block, block_kind in self.action_blocks.items():
+            if block_kind == kind:
+                return block
+        raise NotImplementedError(f"the {self.name} dialect has no {kind} block")
+
+    def _reasoning_block(self, turn: int) -> str:
+        """The reasoning block a segment opens with at ``turn`` (0 = the first model turn)."""
+        return self.reasoning_blocks[0] if self.reasoning_blocks else "think"
+
+    def _reasoning_prefix(self, reasoning: str, turn: int) -> str:
+        block = self._reasoning_block(turn)
+        return f"{_open_literal(block)} {reasoning.strip()} {_close_literal(block)}\n"
+
+    def _search_body(self, query: str, mode: str | None) -> str:
+        """Content of the search block; dialects with mode syntax put the mode in it."""
+        return query
+
+    def search_segment(self, query: str, *, mode: str | None = None, reasoning: str = "", turn: int = 0) -> str:
+        """One search turn: reasoning, then the search action. ``mode`` is ignored by dialects
+        without mode syntax (the environment's mode applies)."""
+        block = self._action_block(SEARCH)
+        text = (
+            self._reasoning_prefix(reasoning, turn)
+            + f"{_open_literal(block)} {self._search_body(query, mode)} {_close_literal(block)}"
+        )
+        return self._checked(text, SEARCH)
+
+    def answer_segment(self, answer: str, *, reasoning: str = "", turn: int = 0) -> str:
+        """One answer turn: reasoning, then ``<answer> answer </answer>``."""
+        block = self._action_block(ANSWER)
+        text = self._reasoning_prefix(reasoning, turn) + f"{_open_literal(block)} {answer} {_close_literal(block)}"
+        return self._checked(text, ANSWER)
+
+    def _checked(self, text: str, kind: str) -> str:
+        action = self.parse(text)
+        if action.kind != kind or not action.well_formed:
+            raise ValueError(
+                f"{self.name}: the {kind} segment {text[:200]!r} does not parse back as a well-formed "
+                f"{kind} ({action.error or action.kind}); check the query/answer text for tags"
+            )
+        return text

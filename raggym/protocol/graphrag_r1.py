@@ -71,3 +71,15 @@ class GraphRAGR1Dialect(Dialect):
             "example <answer> Lisbon </answer>.\n\n"
             f"Question: {question}\n"
         )
+
+    def search_segment(self, query: str, *, mode: str | None = None, reasoning: str = "", turn: int = 0) -> str:
+        # One <think> spans every query (R1-Searcher style): the first turn opens it, later
+        # turns carry on reasoning inside it after the documents.
+        opener = "<think> " if turn == 0 else ""
+        text = f"{opener}{reasoning.strip()}\n<|begin_of_query|> {query} <|end_of_query|>"
+        return self._checked(text, SEARCH)
+
+    def answer_segment(self, answer: str, *, reasoning: str = "", turn: int = 0) -> str:
+        opener = "<think> " if turn == 0 else ""
+        text = f"{opener}{reasoning.strip()} </think>\n<answer> {answer} </answer>"
+        return self._checked(text, ANSWER)

@@ -46,3 +46,13 @@ class LWSDialect(Dialect):
             "short phrase, for example <answer> Mount Everest </answer>.\n\n"
             f"Question: {question}\n"
         )
+
+    def _reasoning_block(self, turn: int) -> str:
+        # the first turn thinks; every turn after an observation opens with a reflection
+        return "think" if turn == 0 else "reflect"
+
+    def answer_segment(self, answer: str, *, reasoning: str = "", turn: int = 0) -> str:
+        if turn == 0:  # no retrieval: think -> reflect -> answer
+            text = f"<think> {reasoning.strip()} </think>\n<reflect> {reasoning.strip()} </reflect>\n<answer> {answer} </answer>"
+            return self._checked(text, ANSWER)
+        return super().answer_segment(answer, reasoning=reasoning, turn=turn)

@@ -147,6 +147,25 @@ class R1RouterDialect(Dialect):
         )
 
 
+    # ------------------------------------------------------- writing segments
+
+    def search_segment(self, query: str, *, mode: str | None = None, reasoning: str = "", turn: int = 0) -> str:
+        raise NotImplementedError("R1-Router routes instead of searching; use route_segment")
+
+    def route_segment(self, sub_question: str, knowledge_base: str, *, reasoning: str = "") -> str:
+        """A routing step: reasoning, the sub-question and the knowledge base to ask."""
+        text = (f"<think> {reasoning.strip()} </think>\n<sub-question> {sub_question} </sub-question>"
+                f"<ret> {knowledge_base} </ret>")
+        action = self.parse(text)
+        if action.kind != ROUTE or action.query is None or not action.well_formed:
+            raise ValueError(f"r1_router: the routing segment {text[:200]!r} does not parse back as a route "
+                             f"({action.error or action.kind})")
+        return text
+
+    def stop_segment(self, *, reasoning: str = "") -> str:
+        """The routing step that ends retrieval: ``None`` for both the sub-question and the base."""
+        return f"<think> {reasoning.strip()} </think>\n<sub-question> {STOP_WORD} </sub-question><ret> {STOP_WORD} </ret>"
+
 def _kb_key(name: str) -> str:
     return " ".join(name.split()).lower()
 

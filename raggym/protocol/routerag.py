@@ -97,3 +97,10 @@ class RouteRAGDialect(Dialect):
             "phrase without explanation, for example <answer> Paris </answer>.\n\n"
             f"Question: {question}\n"
         )
+
+    def _search_body(self, query: str, mode: str | None) -> str:
+        # hybrid is written as both tags, graph first, as in the paper's examples
+        tags = {"passage": "[passage]", "graph": "[graph]", "hybrid": "[graph][passage]"}
+        if (mode or "passage") not in tags:
+            raise ValueError(f"unknown retrieval mode {mode!r}; expected one of {self.modes}")
+        return f"{tags[mode or 'passage']} {query}"

@@ -212,7 +212,28 @@ def reward_schedule_from_config(
     if method == "search_r1":
         _split_config(method, cfg, set(), None)
         return exact_match_schedule()
+    if method in CUSTOM_SCHEDULES:
+        return CUSTOM_SCHEDULES[method]({k: v for k, v in cfg.items() if k != "method"})
     raise ValueError(
         f"unknown reward method {method!r}; expected one of routerag, lws, graphrag_r1, "
-        "pathrouter, search_r1"
+        f"pathrouter, search_r1{''.join(', ' + m for m in CUSTOM_SCHEDULES)}"
     )
+
+
+BUILTIN_METHODS = ("routerag", "lws", "graphrag_r1", "pathrouter", "search_r1")
+# method name -> builder(options without "method") -> RewardSchedule; see register_reward_schedule
+CUSTOM_SCHEDULES: dict[str, Callable[[dict], RewardSchedule]] = {}
+
+
+def register_reward_schedule(method: str, builder: Callable[[dict], RewardSchedule], *, replace: bool = False) -> None:
+    """Let ``reward_schedule_from_config({"method": method, ...})`` build a new reward.
+
+    ``builder`` receives the remaining config keys as a dict and returns a ``RewardSchedule``; it
+    should reject keys it does not know. Built-in method names cannot be taken."""
+    if not isinstance(method, str) or not method:
+        raise ValueError("the reward method name must be a non-empty string")
+    if method in BUILTIN_METHODS or (method in CUSTOM_SCHEDULES and not replace):
+        raise ValueError(f"reward method {method!r} is already registered")
+    if not callable(builder):
+        raise TypeError(f"builder for {method!r} must be callable")
+    CUSTOM_SCHEDULES[method] = builder

@@ -1,0 +1,595 @@
+"""Supervised cold start: fine-tune the policy on golden trajectories, loss on model tokens only.
+
+Golden episodes are *played*, not written: for each question the real environment
+(``RagSearchEnv``, or ``MultiKBRouteEnv`` for R1-Router) is reset with the question and the real
+retriever, each step of ``Question.golden_trajectory`` is written as a model segment in the
+dialect's own syntax (a short reasoning line plus the search, via ``Dialect.search_segment`` /
+``answer_segment`` / ``R1RouterDialect.route_segment``), the environment is stepped so that the
+observations are what retrieval actually returns, and the episode ends with the gold answer.
+The tokens follow the rollout rules of ``raggym.trajectory.TrajectoryBuilder``: the prompt through
+the chat template, model turns as their own tokens (loss mask 1), observations tokenized once and
+capped (loss mask 0). A model trained on these sees exactly the token layout it will produce and
+read during RL rollouts.
+
+The trainer is a plain in-process torch loop: AdamW, token-mean masked cross-entropy over each
+optimizer step (all micro-batches of a gradient-accumulation step share one denominator), fp32
+on CPU and bf16 autocast on a GPU, optional LoRA (peft) merged into the weights before export.
+
+Python API (used by the demo and the GraphRAG-R1 recipe)::
+
+    examples = golden_examples(questions, retriever, "routerag", tokenizer)
+    summary = run_sft("smollm2-135m", examples, "runs/sft", epochs=2, lr=1e-4)
+    model, tok = raggym.models.load_policy(summary["policy_dir"])
+
+Command line (builds the synthetic world, the index and the golden examples itself)::
+
+    python -m experiments.sft --policy smollm2-135m --dialect routerag --synthetic-seed 0 \\
+        --entities 300 --out runs/sft [--epochs 2 --lr 1e-4 --eval-questions 40] [--json]
+
+Outputs under ``out_dir``: ``policy/`` (HF directory, safetensors weights and the tokenizer,
+written to a temporary sibling and renamed into place), ``sft_metrics.jsonl`` (one line per
+optimizer step) and ``sft_summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+DIALECTS = ("routerag", "search_r1", "graph_r1", "lws", "graphrag_r1", "r1_router")
+LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
+DEFAULT_LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj")}
+# Knowledge-base labels of the synthetic world's golden trajectories -> R1-Router base names.
+DEFAULT_KB_NAMES = {"text": "Text Retriever", "table": "Table Retriever"}
+
+
+# ============================================================================ golden episodes
+
+
+def _check_dialect(dialect: str) -> str:
+    from raggym.protocol import DIALECTS as REGISTERED  # the six built-ins plus register_dialect's
+
+    if not isinstance(dialect, str) or dialect not in REGISTERED:
+        raise ValueError(f"unknown dialect {dialect!r}; expected one of {', '.join(REGISTERED)}")
+    return dialect
+
+
+def make_env(dialect: str, retriever, *, top_k: int = 3, corpus=None, env_kwargs: dict | None = None,
+             longest_trajectory: int = 4):
+    """The environment a dialect runs in, with enough budget for ``longest_trajectory`` steps."""
+    _check_dialect(dialect)
+    kwargs = dict(env_kwargs or {})
+    if dialect == "r1_router":
+        from envs import MultiKBRouteEnv
+
+        kbs = kwargs.pop("knowledge_bases", None) or {DEFAULT_KB_NAMES["text"]: retriever}
+        kwargs.setdefault("gold_knowledge_base_names", {k: v for k, v in DEFAULT_KB_NAMES.items() if v in kbs})
+        kwargs.setdefault("max_route_steps", max(3, longest_trajectory))
+        return MultiKBRouteEnv(kbs, None, top_k=top_k, corpus=corpus, **kwargs)
+    from envs import RagSearchEnv
+
+    kwargs.setdefault("retrieval_budget", max(4, longest_trajectory))
+    return RagSearchEnv(retriever, None, dialect, top_k=top_k, corpus=corpus, **kwargs)
+
+
+def _step_reasoning(question, steps: Sequence[dict], i: int) -> str:
+    query = steps[i]["query"]
+    if i == 0:
+        return f"To answer this I first need {query}."
+    previous = steps[i - 1].get("answer")
+    if question.kind == "comparison":
+        return f"That gives {previous} for the first one. Now I need {query}."
+    return f"The search says it is {previous}. Next I need {query}."
+
+
+def _answer_reasoning(question, steps: Sequence[dict]) -> str:
+    answer = question.answer
+    if question.kind == "comparison" and len(steps) >= 2:
+        values = " and ".join(str(s.get("answer")) for s in steps)
+        return f"The years are {values}, so the answer is {answer}."
+    if steps:
+        return f"The search says it is {steps[-1].get('answer')}, which answers the question."
+    return f"I know this: {answer}."
+
+
+def _search_script(env, question):
+    """The golden segments of a search-dialect episode, one per ``yield`` (a generator that is
+    sent each step's result; the search dialects do not need it)."""
+    dialect = env.dialect
+    steps = list(question.golden_trajectory)
+    for i, step in enumerate(steps):
+        yield dialect.search_segment(step["query"], mode=step.get("mode"),
+                                     reasoning=_step_reasoning(question, steps, i), turn=i)
+    yield dialect.answer_segment(question.answer, reasoning=_answer_reasoning(question, steps), turn=len(steps))
+
+
+def _route_script(env, question):
+    """The golden R1-Router episode: route + intermediate answer per step, stop, final answer."""
+    dialect = env.dialect
+    steps = list(question.golden_trajectory)
+    names = getattr(env, "gold_knowledge_base_names", {})
+    kbs = list(env.knowledge_bases)
+    for i, step in enumerate(steps):
+        label = step.get("knowledge_base", step.get("kb"))
+        kb = names.get(label, label) if label is not None else kbs[0]
+        if kb not in env.knowledge_bases:
+            if len(kbs) != 1:
+                raise ValueError(f"question {question.id!r}: golden step {i} uses knowledge base {label!r}, which "
+                                 f"the environment does not have ({', '.join(kbs)}); pass gold_knowledge_base_names")
+            kb = kbs[0]
+        yield dialect.route_segment(step["query"], kb, reasoning=f"I still need {step['query']}.")
+        yield dialect.answer_segment(str(step.get("answer")), reasoning=f"The documents state it: {step.get('answer')}.")
+    if env.phase == "route":
+        yield dialect.stop_segment(reasoning="The answers so far are enough to answer the question.")
+    if env.phase != "final":
+        raise RuntimeError(f"question {question.id!r}: expected the final-answer phase, the environment is in {env.phase!r}")
+    yield dialect.answer_segment(question.answer, reasoning=_answer_reasoning(question, steps))
+
+
+def _add_segment(builder, segment: str) -> None:
+    ids = builder.tokenizer(segment, add_special_tokens=False)["input_ids"]
+    builder.add_model_turn(ids, [0.0] * len(ids))
+
+
+def _play_batch(envs, questions, builders, script) -> list[float]:
+    """Play golden episodes in lockstep; each round's retrievals go to the retriever as one batch
+    (``envs.step_batch``), which is what makes building thousands of examples fast."""
+    from actors.rollout import chat_prompt_ids
+    from envs import step_batch
+
+    scripts, pending = [], []
+    for env, q, builder in zip(envs, questions, builders):
+        prompt, _ = env.reset(options={"question": q})
+        builder.add_prompt(chat_prompt_ids(builder.tokenizer, prompt))
+        scripts.append(script(env, q))
+        pending.append(next(scripts[-1]))
+    rewards = [0.0] * len(envs)
+    active = list(range(len(envs)))
+    while active:
+        for i in active:
+            _add_segment(builders[i], pending[i])
+        results = step_batch([envs[i] for i in active], [pending[i] for i in active])
+        still = []
+        for i, (observation, reward, terminated, truncated, info) in zip(active, results):
+            q = questions[i]
+            if info.get("format_error"):
+                raise RuntimeError(f"question {q.id!r}: the environment rejected a golden segment: {info.get('parse_error')}")
+            if terminated or truncated:
+                if not terminated:
+                    raise RuntimeError(f"question {q.id!r}: the golden episode was truncated "
+                                       f"({info.get('truncation_reason')}) before its answer")
+                if next(scripts[i], None) is not None:
+                    raise RuntimeError(f"question {q.id!r}: the episode ended before its golden answer")
+                rewards[i] = float(reward)
+                continue
+            builders[i].add_observation(observation)
+            segment = next(scripts[i], None)
+            if segment is None:
+                raise RuntimeError(f"question {q.id!r}: the golden segments ran out before the episode ended")
+            pending[i] = segment
+            still.append(i)
+        active = still
+    return rewards
+
+
+def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=None, top_k: int = 3,
+                    max_observation_tokens: int = 128, env_kwargs: dict | None = None,
+                    show_progress=True) -> list[dict]:
+    """One supervised example per question, played through the real environment.
+
+    Each example is ``{"token_ids", "loss_mask", "question_id", "text", "reward", "num_searches",
+    "gold_hit"}``: ``loss_mask`` is 1 exactly on the model-segment tokens, ``text`` is the decoded
+    sequence, ``reward`` the environment's terminal reward (exact match by default, so 1.0), and
+    ``gold_hit`` whether retrieval surfaced at least one gold passage.
+
+    ``max_observation_tokens`` caps each observation as the rollout does
+    (``RolloutConfig.max_observation_tokens``); use the same value in both. R1-Router's
+    observations are whole prompts (documents included), so it needs a larger cap (about 512)."""
+    from tqdm.auto import tqdm
+
+    from raggym.trajectory import TrajectoryBuilder
+
+    _check_dialect(dialect)
+    questions = list(questions)
+    if not questions:
+        raise ValueError("golden_examples: no questions given")
+    for q in questions:
+        if not q.golden_trajectory:
+            raise ValueError(f"question {q.id!r} has no golden_trajectory (only synthetic-world questions carry one)")
+        for i, step in enumerate(q.golden_trajectory):
+            if not isinstance(step, dict) or not isinstance(step.get("query"), str) or not step["query"].strip():
+                raise ValueError(f"question {q.id!r}: golden_trajectory[{i}] needs a non-empty 'query' string")
+    longest = max(len(q.golden_trajectory) for q in questions)
+    script = _route_script if dialect == "r1_router" else _search_script
+    out = []
+    chunk = 64
+    with tqdm(total=len(questions), desc=f"golden {dialect}", unit="ep", disable=not show_progress) as bar:
+        for start in range(0, len(questions), chunk):
+            part = questions[start:start + chunk]
+            envs = [make_env(dialect, retriever, top_k=top_k, corpus=corpus, env_kwargs=env_kwargs,
+                             longest_trajectory=longest) for _ in part]
+            builders = [TrajectoryBuilder(tokenizer, dialect, q.id, 0, max_response_tokens=1 << 30,
+                                          max_observation_tokens=max_observation_tokens) for q in part]
+            rewards = _play_batch(envs, part, builders, script)
+            for q, env, builder, reward in zip(part, envs, builders, rewards):
+                traj = builder.finish({})
+                record = env.record
+                items = record.steps if dialect == "r1_router" else record.turns
+                retrieved = {pid for item in items for pid in item.retrieved_ids}
+                out.append({
+                    "token_ids": list(traj.token_ids),
+                    "loss_mask": list(traj.loss_mask),
+                    "question_id": q.id,
+                    "text": tokenizer.decode(traj.token_ids, skip_special_tokens=False,
+                                             clean_up_tokenization_spaces=False),
+                    "reward": reward,
+                    "num_searches": int(record.num_retrievals),
+                    "gold_hit": bool(set(q.gold_passage_ids) & retrieved),
+                })
+            bar.update(len(part))
+    return out
+
+
+# ============================================================================ loss
+
+
+def masked_cross_entropy(logits, token_ids, loss_mask):
+    """Token-mean cross-entropy of next-token prediction over the tokens with ``loss_mask == 1``.
+
+    ``logits`` is ``[B, T, V]`` (position t predicts token t+1), ``token_ids`` and ``loss_mask``
+    are ``[B, T]``. The loss of token t+1 counts when ``loss_mask[t+1] == 1``."""
+    import torch.nn.functional as F
+
+    targets = token_ids[:, 1:]
+    mask = loss_mask[:, 1:].bool()
+    n = int(mask.sum())
+    if n == 0:
+        raise ValueError("masked_cross_entropy: no token has loss_mask 1")
+    return F.cross_entropy(logits[:, :-1][mask].float(), targets[mask], reduction="sum") / n
+
+
+def _masked_nll_sum(model, input_ids, attention_mask, loss_mask):
+    """Sum of -log p over masked targets, computing the LM head only at those positions."""
+    import torch.nn.functional as F
+
+    mask = loss_mask[:, 1:].bool()
+    targets = input_ids[:, 1:][mask]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    head = base.get_output_embeddings()
+    if decoder is not None and head is not None:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = head(hidden[:, :-1][mask])
+    else:  # pragma: no cover - architectures without the decoder accessor
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1][mask]
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+# ============================================================================ trainer
+
+
+def _check_examples(examples, max_seq_tokens: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+    if not examples:
+        raise ValueError("run_sft: no examples given")
+    rows, truncated = [], 0
+    for i, ex in enumerate(examples):
+        if not isinstance(ex, dict) or "token_ids" not in ex or "loss_mask" not in ex:
+            raise ValueError(f"example {i}: expected a dict with 'token_ids' and 'loss_mask'")
+        ids, mask = list(ex["token_ids"]), list(ex["loss_mask"])
+        if len(ids) != len(mask):
+            raise ValueError(f"example {i} ({ex.get('question_id', '?')}): {len(ids)} token_ids but {len(mask)} loss_mask values")
+        if any(m not in (0, 1) for m in mask):
+            raise ValueError(f"example {i} ({ex.get('question_id', '?')}): loss_mask values must be 0 or 1")
+        if len(ids) > max_seq_tokens:
+            ids, mask, truncated = ids[:max_seq_tokens], mask[:max_seq_tokens], truncated + 1
+        if sum(mask[1:]) == 0:
+            continue  # nothing to learn within max_seq_tokens
+        rows.append((ids, mask))
+    if not rows:
+        raise ValueError(f"run_sft: no example has a model token within the first max_seq_tokens={max_seq_tokens} tokens")
+    return rows, truncated
+
+
+def _check_lora(lora: dict | None) -> dict | None:
+    if lora is None:
+        return None
+    unknown = set(lora) - LORA_KEYS
+    if unknown:
+        raise ValueError(f"unknown LoRA key(s) {sorted(unknown)}; allowed: {sorted(LORA_KEYS)}")
+    cfg = {**DEFAULT_LORA, **lora}
+    if int(cfg["r"]) < 1:
+        raise ValueError(f"LoRA r must be at least 1, got {cfg['r']}")
+    return cfg
+
+
+def _pad(rows, pad_id: int, device):
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, (i, m) in enumerate(rows):
+        ids[r, : len(i)] = torch.tensor(i)
+        att[r, : len(i)] = 1
+        mask[r, : len(m)] = torch.tensor(m)
+    return ids.to(device), att.to(device), mask.to(device)
+
+
+def export_policy(model, tokenizer, final_dir: Path) -> Path:
+    """Save an HF directory (safetensors) atomically: a temporary sibling renamed into place."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final_dir.name + ".tmp-", dir=final_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        unsafe = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+        if unsafe:
+            raise RuntimeError(f"export wrote unsafe weight files {unsafe}")
+        old = None
+        if final_dir.exists():
+            old = final_dir.with_name(final_dir.name + f".old-{os.getpid()}")
+            os.replace(final_dir, old)
+        os.replace(tmp, final_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final_dir
+
+
+def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, batch_size=8, grad_accum=1,
+            max_seq_tokens=1024, seed=0, lora: dict | None = None, num_threads: int | None = None,
+            show_progress=True) -> dict:
+    """Fine-tune ``policy`` on ``examples`` (from ``golden_examples``); see the module docstring.
+
+    Returns ``{"policy_dir", "steps", "loss_first", "loss_last", "seconds", "examples",
+    "tokens_trained", ...}`` (also written to ``<out_dir>/sft_summary.json``)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from raggym.data.loaders import atomic_write
+    from raggym.models import load_policy
+
+    if int(epochs) < 1 or int(batch_size) < 1 or int(grad_accum) < 1 or int(max_seq_tokens) < 2:
+        raise ValueError("epochs, batch_size and grad_accum must be >= 1 and max_seq_tokens >= 2")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    rows, truncated = _check_examples(examples, int(max_seq_tokens))
+    lora_cfg = _check_lora(lora)
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    started = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(int(seed))
+    rng = random.Random(int(seed))
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model, tokenizer = load_policy(policy, device=str(device))
+    if lora_cfg is not None:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:  # pragma: no cover - peft is a dependency
+            raise ImportError("LoRA needs the 'peft' package") from exc
+        model = get_peft_model(model, LoraConfig(r=int(lora_cfg["r"]), lora_alpha=int(lora_cfg["alpha"]),
+                                                 lora_dropout=float(lora_cfg["dropout"]),
+                                                 target_modules=list(lora_cfg["target_modules"]), task_type="CAUSAL_LM"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=float(lr), weight_decay=0.0)
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+
+    per_step = int(batch_size) * int(grad_accum)
+    steps_per_epoch = max(1, math.ceil(len(rows) / per_step))
+    total_steps = steps_per_epoch * int(epochs)
+    metrics_path = out / "sft_metrics.jsonl"
+    losses: list[float] = []
+    tokens_trained = 0
+    step = 0
+    with open(metrics_path, "w", encoding="utf-8") as metrics, \
+            tqdm(total=total_steps, desc="sft", unit="step", disable=not show_progress) as bar:
+        for epoch in range(int(epochs)):
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            for s in range(steps_per_epoch):
+                chunk = [rows[i] for i in order[s * per_step:(s + 1) * per_step]]
+                if not chunk:
+                    continue
+                t0 = time.perf_counter()
+                micro = [chunk[i:i + int(batch_size)] for i in range(0, len(chunk), int(batch_size))]
+                n_tokens = sum(sum(m[1:]) for _, m in chunk)
+                optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for mb in micro:
+                    ids, att, mask = _pad(mb, pad_id, device)
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                        nll = _masked_nll_sum(model, ids, att, mask)
+                    (nll / n_tokens).backward()
+                    total += float(nll.detach())
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+                optimizer.step()
+                step += 1
+                loss = total / n_tokens
+                losses.append(loss)
+                tokens_trained += sum(len(i) for i, _ in chunk)
+                row = {"step": step, "epoch": epoch, "loss": round(loss, 6), "model_tokens": n_tokens,
+                       "sequences": len(chunk), "grad_norm": round(grad_norm, 4), "lr": float(lr),
+                       "seconds": round(time.perf_counter() - t0, 4)}
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+
+    model.eval()
+    if lora_cfg is not None:
+        model = model.merge_and_unload()
+    policy_dir = export_policy(model, tokenizer, out / "policy")
+    summary = {
+        "policy_dir": str(policy_dir),
+        "steps": step,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "seconds": round(time.perf_counter() - started, 3),
+        "examples": len(rows),
+        "tokens_trained": tokens_trained,
+        "examples_truncated": truncated,
+        "examples_skipped": len(examples) - len(rows),
+        "epochs": int(epochs), "lr": float(lr), "batch_size": int(batch_size), "grad_accum": int(grad_accum),
+        "max_seq_tokens": int(max_seq_tokens), "seed": int(seed),
+        "lora": None if lora_cfg is None else {**lora_cfg, "target_modules": list(lora_cfg["target_modules"])},
+        "device": str(device), "compute_dtype": "bfloat16" if cuda else "float32", "policy": str(policy),
+    }
+    atomic_write(out / "sft_summary.json", lambda fh: json.dump(summary, fh, indent=2))
+    return summary
+
+
+# ============================================================================ quick evaluation
+
+
+def evaluate_policy(policy, questions, retriever, dialect: str, *, corpus=None, top_k: int = 3,
+                    max_observation_tokens: int = 128, max_turn_tokens: int = 96, max_response_tokens: int = 384,
+                    env_kwargs: dict | None = None, num_threads: int | None = None, batch: int = 16) -> dict:
+    """Greedy multi-turn rollouts (``MultiTurnRollout`` + ``LocalBackend`` + ``HFEngine``) on
+    ``questions``: exact match, share of well-formed actions and of episodes ending in an answer."""
+    from actors.engines.base import SamplingParams
+    from actors.engines.hf import HFEngine
+    from actors.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
+
+    _check_dialect(dialect)
+    questions = list(questions)
+    if not questions:
+        raise ValueError("evaluate_policy: no questions given")
+    engine = HFEngine(policy, num_threads=num_threads) if isinstance(policy, (str, os.PathLike)) else policy
+    cfg = RolloutConfig(max_response_tokens=max_response_tokens, max_turn_tokens=max_turn_tokens,
+                        max_observation_tokens=max_observation_tokens, waves=1)
+    runner = MultiTurnRollout(LocalBackend(engine), engine.tokenizer, SamplingParams(temperature=0.0), cfg)
+    longest = max([len(q.golden_trajectory) for q in questions] + [4])
+    started = time.perf_counter()
+    rewards, actions, well, answered, searches = [], 0, 0, 0, 0
+    for i in range(0, len(questions), batch):
+        part = questions[i:i + batch]
+        envs = [make_env(dialect, retriever, top_k=top_k, corpus=corpus, env_kwargs=env_kwargs,
+                         longest_trajectory=longest) for _ in part]
+        trajs = runner.run(envs, part)
+        for env, traj in zip(envs, trajs):
+            record = env.record
+            rewards.append(float(record.reward or 0.0))
+            answered += int(record.answer is not None)
+            searches += int(record.num_retrievals)
+            for turn in traj.turns:
+                action = env.dialect.parse(turn["text"])
+                actions += 1
+                well += int(action.is_valid and action.well_formed)
+    n = len(questions)
+    return {"questions": n, "em": sum(rewards) / n, "well_formed_share": well / max(1, actions),
+            "answered_share": answered / n, "mean_searches": searches / n, "model_turns": actions,
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+# ============================================================================ CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.sft", description=(
+        "SFT cold start on golden trajectories of the synthetic world: builds the world and its index, plays "
+        "golden episodes through the real environment, fine-tunes the policy on the model tokens and writes "
+        "OUT/policy (HF dir, safetensors), OUT/sft_metrics.jsonl and OUT/sft_summary.json."))
+    p.add_argument("--policy", default="smollm2-135m", help="model spec for raggym.models.load_policy")
+    p.add_argument("--dialect", default="routerag", choices=DIALECTS)
+    p.add_argument("--synthetic-seed", type=int, default=0, help="seed of the synthetic world")
+    p.add_argument("--entities", type=int, default=300, help="entities in the synthetic world")
+    p.add_argument("--max-hops", type=int, default=2, help="longest bridge chain asked (1..4)")
+    p.add_argument("--max-examples", type=int, default=100, help="golden episodes to train on")
+    p.add_argument("--eval-questions", type=int, default=0,
+                   help="held-out questions for a greedy before/after check (0: skip)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--max-seq-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--max-observation-tokens", type=int, default=128)
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    p.add_argument("--lora-alpha", type=int, default=32)
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from raggym.data.synthetic import generate_world
+    from raggym.models import load_policy_tokenizer
+    from raggym.retrieval import Retriever
+
+    quiet = args.json
+    world = generate_world(seed=args.synthetic_seed, n_entities=args.entities, max_hops=args.max_hops,
+                           n_questions=args.max_examples + args.eval_questions)
+    t0 = time.perf_counter()
+    retriever = Retriever.build(world.corpus, openie=world.openie, show_progress=not quiet)
+    index_seconds = time.perf_counter() - t0
+    questions = world.questions
+    train_q, eval_q = questions[: args.max_examples], questions[args.max_examples:]
+    tokenizer = load_policy_tokenizer(args.policy)
+    t0 = time.perf_counter()
+    examples = golden_examples(train_q, retriever, args.dialect, tokenizer, corpus=world.corpus, top_k=args.top_k,
+                               max_observation_tokens=args.max_observation_tokens, show_progress=not quiet)
+    golden_seconds = time.perf_counter() - t0
+    before = None
+    if eval_q:
+        before = evaluate_policy(args.policy, eval_q, retriever, args.dialect, corpus=world.corpus, top_k=args.top_k,
+                                 max_observation_tokens=args.max_observation_tokens, num_threads=args.threads)
+    lora = None
+    if args.lora_r > 0:
+        lora = {"r": args.lora_r, "alpha": args.lora_alpha,
+                "target_modules": tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())}
+    summary = run_sft(args.policy, examples, args.out, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                      grad_accum=args.grad_accum, max_seq_tokens=args.max_seq_tokens, seed=args.seed, lora=lora,
+                      num_threads=args.threads, show_progress=not quiet)
+    summary["golden"] = {"episodes": len(examples), "seconds": round(golden_seconds, 3),
+                         "episodes_per_second": round(len(examples) / max(golden_seconds, 1e-9), 2),
+                         "mean_tokens": round(sum(len(e["token_ids"]) for e in examples) / len(examples), 1),
+                         "mean_model_tokens": round(sum(sum(e["loss_mask"]) for e in examples) / len(examples), 1),
+                         "gold_hit_share": round(sum(e["gold_hit"] for e in examples) / len(examples), 3),
+                         "index_seconds": round(index_seconds, 3)}
+    if eval_q:
+        after = evaluate_policy(summary["policy_dir"], eval_q, retriever, args.dialect, corpus=world.corpus,
+                                top_k=args.top_k, max_observation_tokens=args.max_observation_tokens,
+                                num_threads=args.threads)
+        summary["eval"] = {"before": before, "after": after}
+    from raggym.data.loaders import atomic_write
+
+    atomic_write(Path(args.out) / "sft_summary.json", lambda fh: json.dump(summary, fh, indent=2))
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"golden episodes: {len(examples)} in {golden_seconds:.1f} s; SFT: {summary['steps']} steps in "
+          f"{summary['seconds']:.1f} s, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+    if eval_q:
+        for name in ("before", "after"):
+            e = summary["eval"][name]
+            print(f"  {name:<6} EM {e['em']:.3f}  well-formed actions {e['well_formed_share']:.3f}  "
+                  f"answered {e['answered_share']:.3f}  searches/ep {e['mean_searches']:.2f}")
+    print(f"policy written to {summary['policy_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Deterministic train / held-out splits of a question list.
+
+The demo trains on some questions of a synthetic world and evaluates on the others; both sides
+must agree on which is which without sharing state, so the split is a pure function of the
+question ids, the held-out fraction and a seed:
+
+* every question gets the key ``sha1(f"{seed}:{question.id}")``;
+* the ``round(fraction · n)`` questions with the smallest keys are held out;
+* both parts keep the input order.
+
+The result does not depend on the order of the input list, and a question keeps its side when
+other questions are added (its key does not change; only the cut-off moves).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+def _key(seed: int, qid: str) -> bytes:
+    return hashlib.sha1(f"{int(seed)}:{qid}".encode("utf-8")).digest()
+
+
+def split_questions(questions: Sequence[T], heldout_fraction: float, seed: int = 0) -> tuple[list[T], list[T]]:
+    """``(train, heldout)``: disjoint, together all of ``questions``, each in input order.
+
+    ``heldout_fraction`` is in ``[0, 1]``; the held-out part has ``round(fraction · n)``
+    questions. Items need an ``id`` attribute (``raggym.data.Question``) or an ``"id"`` key.
+    """
+    fraction = float(heldout_fraction)
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"heldout_fraction must be between 0 and 1, got {heldout_fraction}")
+    items = list(questions)
+    ids = [str(q["id"] if isinstance(q, dict) else q.id) for q in items]
+    n_heldout = int(round(fraction * len(items)))
+    # Ties (duplicate ids) are broken by position, so the split is still a function of the input.
+    ranked = sorted(range(len(items)), key=lambda i: (_key(seed, ids[i]), i))
+    heldout = set(ranked[:n_heldout])
+    return ([q for i, q in enumerate(items) if i not in heldout], [q for i, q in enumerate(items) if i in heldout])
+
+
+__all__ = ["split_questions"]

@@ -1,0 +1,393 @@
+"""Serving (issue #8): the Ray Serve app over HTTP, request validation, batching, safe loading.
+
+One module-scoped app (SmolLM2 on CPU, a 120-entity synthetic world index with its graph) is
+started on a private local Ray and called through real HTTP clients: urllib, aiohttp for the
+concurrent burst, and the ``openai`` package for the chat endpoint. Generation is kept short
+(12 tokens per turn, at most 2 turns) so the module stays lean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.serving import AgentCore, ApiError, HttpApi, ServeSettings, turn_summary
+from experiments.serve import CheckpointError, check_index, load_config, resolve_checkpoint, supported_modes
+
+TURN_TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world():
+    from raggym.data.synthetic import generate_world
+
+    return generate_world(seed=7, n_entities=120, n_questions=20)
+
+
+@pytest.fixture(scope="module")
+def index(world, tmp_path_factory):
+    from raggym.retrieval import Retriever
+
+    retriever = Retriever.build(world.corpus, openie=world.openie, show_progress=False)
+    path = tmp_path_factory.mktemp("serve") / "index"
+    retriever.save(path)
+    return str(path), retriever
+
+
+@pytest.fixture(scope="module")
+def server(index):
+    import ray
+    from ray import serve
+
+    from experiments.serve import start
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    settings_ = {"checkpoint": "smollm2-135m", "index": index[0], "max_turn_tokens": TURN_TOKENS,
+                 "default_max_turns": 2, "max_turns_limit": 3, "max_question_chars": 2000,
+                 "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "engine_threads": 1,
+                 "policy_cpus": 1, "retrieval_cpus": 0.5, "ingress_cpus": 0.5}
+    try:
+        url = start(settings_, host="127.0.0.1", port=port, route_prefix="/agent")
+        yield url, settings_
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _request(url: str, method: str = "GET", body: bytes | None = None, content_type: str | None = "application/json"):
+    headers = {"Content-Type": content_type} if content_type else {}
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+
+
+def _post(url: str, obj) -> tuple[int, dict, dict]:
+    return _request(url, "POST", json.dumps(obj).encode())
+
+
+# ----------------------------------------------------------------------------- served app
+
+
+def test_answer_endpoint_returns_trajectory(server, world, index, hf_engine):
+    url, cfg = server
+    q = world.questions[0]
+    status, out, _ = _post(f"{url}/v1/answer", {"question": q.question, "max_turns": 2})
+    assert status == 200, out
+    assert set(out) >= {"answer", "turns", "retrieval_seconds", "retrieval_cost", "tokens", "latency_seconds"}
+    assert 1 <= len(out["turns"]) <= 2
+    for turn in out["turns"]:
+        assert set(turn) >= {"reasoning", "action", "mode", "query", "documents"}
+        assert turn["action"] in ("think", "search", "answer", "invalid")
+        for doc in turn["documents"]:
+            assert set(doc) == {"id", "title"}
+    assert out["tokens"]["completion"] <= 2 * TURN_TOKENS
+    assert out["tokens"]["total"] == out["tokens"]["prompt"] + out["tokens"]["completion"] + out["tokens"]["observation"]
+    assert out["latency_seconds"] > 0 and out["retrieval_seconds"] >= 0 and out["retrieval_cost"] >= 0
+    assert out["model"] == "smollm2-135m"
+
+    # The same episode in-process (no Ray): greedy decoding gives the very same turns and tokens.
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the served engine, so greedy argmax sees the same reductions
+    try:
+        core = AgentCore(hf_engine, index[1], hf_engine.tokenizer, ServeSettings(max_turn_tokens=TURN_TOKENS))
+        local = core.answer(q.question, 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert local["turns"] == out["turns"]
+    assert local["tokens"] == out["tokens"]
+    assert local["answer"] == out["answer"]
+
+
+def test_openai_chat_completion(server, world):
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    url, _ = server
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+    resp = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": world.questions[1].question}],
+        extra_body={"raggym": {"max_turns": 1, "modes": ["passage"]}})
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert resp.model == "smollm2-135m" and isinstance(resp.created, int)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    ext = resp.model_extra["raggym"]
+    assert len(ext["turns"]) == 1 and ext["allowed_modes"] == ["passage"]
+    assert resp.usage.completion_tokens == ext["tokens"]["completion"] <= TURN_TOKENS
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert (choice.message.content or None) == ext["answer"] or ext["answer"] == ""
+
+    with pytest.raises(BadRequestError, match="exactly one user message"):
+        client.chat.completions.create(model="smollm2-135m", messages=[
+            {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])
+    with pytest.raises(BadRequestError, match="must be 'user'"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "system", "content": "be brief"}])
+    with pytest.raises(NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(BadRequestError, match="streaming is not supported"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}], stream=True)
+
+
+BAD_REQUESTS = [
+    # (method, path, body, content type, status, code, param, message fragment)
+    ("POST", "/v1/answer", b'{"question": ', "application/json", 400, "invalid_json", None, "not valid JSON"),
+    ("POST", "/v1/answer", b'{"question": "hi"}', "text/plain", 415, "unsupported_media_type", None, "application/json"),
+    ("POST", "/v1/answer", b'{"question": "hi"}', "application/x-www-form-urlencoded", 415, "unsupported_media_type", None,
+     "got application/x-www-form-urlencoded"),
+    ("POST", "/v1/answer", b"[1, 2]", "application/json", 400, "invalid_json", None, "JSON object"),
+    ("POST", "/v1/answer", b"{}", "application/json", 400, "missing_field", "question", "missing required field"),
+    ("POST", "/v1/answer", b'{"question": 5}', "application/json", 400, "invalid_type", "question", "must be a string"),
+    ("POST", "/v1/answer", b'{"question": "   "}', "application/json", 400, "invalid_value", "question", "is empty"),
+    ("POST", "/v1/answer", json.dumps({"question": "x" * 2001}).encode(), "application/json", 400, "too_long", "question",
+     "2001 characters long; the limit is 2000"),
+    ("POST", "/v1/answer", b'{"question": "hi", "max_turns": 0}', "application/json", 400, "out_of_range", "max_turns", "1..3"),
+    ("POST", "/v1/answer", b'{"question": "hi", "max_turns": 4}', "application/json", 400, "out_of_range", "max_turns", "1..3"),
+    ("POST", "/v1/answer", b'{"question": "hi", "max_turns": "2"}', "application/json", 400, "invalid_type", "max_turns",
+     "must be an integer"),
+    ("POST", "/v1/answer", b'{"question": "hi", "max_turns": true}', "application/json", 400, "invalid_type", "max_turns",
+     "must be an integer"),
+    ("POST", "/v1/answer", b'{"question": "hi", "modes": ["web"]}', "application/json", 400, "unknown_mode", "modes",
+     "unknown retrieval mode 'web'"),
+    ("POST", "/v1/answer", b'{"question": "hi", "modes": "passage"}', "application/json", 400, "invalid_type", "modes",
+     "array of strings"),
+    ("POST", "/v1/answer", b'{"question": "hi", "modes": []}', "application/json", 400, "invalid_value", "modes", "is empty"),
+    ("POST", "/v1/answer", b'{"question": "hi", "temperature": 1}', "application/json", 400, "unknown_field", "temperature",
+     "unknown field"),
+    ("POST", "/v1/answer", b'{"question": "\\ud800"}', "application/json", 400, "invalid_value", "question", "surrogate"),
+    ("POST", "/v1/answer", b"[" * 100_000, "application/json", 413, "body_too_large", None, "limit is 65536"),
+    ("GET", "/v1/answer", None, None, 405, "method_not_allowed", None, "accepts POST"),
+    ("POST", "/healthz", b"{}", "application/json", 405, "method_not_allowed", None, "accepts GET"),
+    ("GET", "/v1/nothing", None, None, 404, "unknown_endpoint", None, "no endpoint /v1/nothing"),
+    ("POST", "/v1/chat/completions", b'{"model": "smollm2-135m"}', "application/json", 400, "missing_field", "messages",
+     "missing required field 'messages'"),
+]
+
+
+def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, world):
+    url, _ = server
+    for method, path, body, ctype, status, code, param, fragment in BAD_REQUESTS:
+        got, out, headers = _request(url + path, method, body, ctype)
+        assert got == status, (path, body[:60] if body else None, out)
+        err = out["error"]
+        assert err["code"] == code and err["param"] == param and fragment in err["message"], err
+        assert err["type"] in ("invalid_request_error", "not_found_error")
+        if status == 405:
+            assert headers["allow"] in ("GET", "POST")
+    status, out, _ = _post(f"{url}/v1/answer", {"question": world.questions[2].question, "max_turns": 1})
+    assert status == 200 and len(out["turns"]) == 1
+    status, health, _ = _request(f"{url}/healthz")
+    assert status == 200 and health["status"] == "ok"
+    assert health["requests"]["refused"] >= len(BAD_REQUESTS)
+
+
+def test_concurrent_burst_is_batched(server, world):
+    import aiohttp
+
+    url, _ = server
+
+    async def burst():
+        async with aiohttp.ClientSession() as session:
+            async def one(q):
+                async with session.post(f"{url}/v1/answer", json={"question": q.question, "max_turns": 1}) as r:
+                    return r.status, await r.json()
+            return await asyncio.gather(*[one(q) for q in world.questions[3:11]])
+
+    results = asyncio.run(burst())
+    assert [s for s, _ in results] == [200] * 8
+    assert all(len(out["turns"]) == 1 for _, out in results)
+    status, health, _ = _request(f"{url}/healthz")
+    batching = health["engine"]["batching"]
+    assert batching["max_batch_size"] > 1, batching
+    assert batching["batches"] < batching["calls"]
+    assert health["engine"]["max_batch_size"] == 8 and health["engine"]["batch_wait_timeout_s"] == 0.05
+
+
+# ----------------------------------------------------------------------------- without Ray
+
+
+def test_turn_summary_of_a_real_search_turn(world, index):
+    from envs import RagSearchEnv
+
+    env = RagSearchEnv(index[1], dialect="routerag", allowed_modes=("passage",))
+    q = world.questions[0]
+    env.reset(options={"question": q})
+    env.step("<think>look it up</think><search> [graph] " + q.question + " </search>")
+    turn = turn_summary(env.record.turns[0])
+    assert turn["action"] == "search" and turn["mode"] == "passage"  # one allowed mode: every search runs in it
+    assert turn["reasoning"] == "look it up" and turn["query"] == q.question
+    assert len(turn["documents"]) == 3
+    assert [d["id"] for d in turn["documents"]] == list(env.record.turns[0].retrieved_ids)
+
+
+def test_graphless_index_serves_passage_only(world, tmp_path):
+    from raggym.data import Corpus
+    from raggym.retrieval import Retriever
+
+    path = tmp_path / "flat"
+    Retriever.build(Corpus(list(world.corpus)[:12]), show_progress=False).save(path)
+    modes = supported_modes(check_index(str(path)))
+    assert modes == ["passage"]
+    api = HttpApi(None, ServeSettings(), modes)
+    for bad in (["graph"], ["hybrid"], ["passage", "graph"]):
+        with pytest.raises(ApiError, match="no knowledge graph") as e:
+            api.check_modes(bad)
+        assert e.value.status == 400 and e.value.param == "modes"
+    assert api.check_modes(["passage"]) == ("passage",)
+    core = AgentCore(None, None, None, ServeSettings(), modes)
+    assert core.allowed_modes(None) == ("passage",)
+    graph_core = AgentCore(None, None, None, ServeSettings(dialect="graph_r1"), modes)
+    assert graph_core.allowed_modes(None) == ("passage",)  # Graph-R1's default graph mode is not available
+    with pytest.raises(ValueError, match="not a raggym index"):
+        check_index(str(tmp_path))
+
+    # the `serve run experiments.serve:app key=value` builder takes string arguments
+    from ray.serve import Application
+
+    from experiments.serve import app
+
+    assert isinstance(app({"index": str(path), "max_batch_size": "4", "top_k": "2"}), Application)
+    with pytest.raises(ValueError, match="unknown serve argument"):
+        app({"index": str(path), "batch": "4"})
+
+
+def test_cli_refuses_bad_inputs_before_starting(tmp_path, capsys):
+    from experiments.cli import main
+
+    bad = _policy_dir(tmp_path / "ckpt", ("model.pt",))
+    assert main(["serve", "--index", str(tmp_path / "none")]) == 2
+    assert "index directory not found" in capsys.readouterr().err
+    assert main(["serve", "--index", str(tmp_path), "--checkpoint", str(bad)]) == 2
+    assert "model.pt: refusing to load weights in a pickle-based format" in capsys.readouterr().err
+
+
+def _policy_dir(path, weights=("model.safetensors",)):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    for name in weights:
+        (path / name).write_bytes(b"\0" * 8)
+    return path
+
+
+def test_checkpoint_resolution_and_unsafe_formats(tmp_path):
+    assert resolve_checkpoint("smollm2-135m") == "smollm2-135m"
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    _policy_dir(ckpts / "step-000001" / "policy")
+    (ckpts / "step-000001" / "trainer_state.json").write_text("{}")
+    _policy_dir(ckpts / "step-000002" / "policy")  # incomplete: no trainer_state.json
+    want = str((ckpts / "step-000001" / "policy").resolve())
+    assert resolve_checkpoint(str(run)) == want
+    assert resolve_checkpoint(str(ckpts)) == want
+    assert resolve_checkpoint(str(ckpts / "step-000001")) == want
+    assert resolve_checkpoint(str(ckpts / "step-000001" / "policy")) == want
+
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*pickle"):
+        resolve_checkpoint(str(_policy_dir(tmp_path / "bin", ("pytorch_model.bin",))))
+    pkl = tmp_path / "pkl"
+    pkl.mkdir()
+    (pkl / "weights.pkl").write_bytes(b"\0")
+    with pytest.raises(CheckpointError, match=r"weights\.pkl"):
+        resolve_checkpoint(str(pkl))
+    with pytest.raises(CheckpointError, match="no model weights"):
+        resolve_checkpoint(str(_policy_dir(tmp_path / "empty", ())))
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resolve_checkpoint(str(_policy_dir(tmp_path / "r2" / "checkpoints" / "step-000003" / "policy").parents[2]))
+    with pytest.raises(CheckpointError, match="not found"):
+        resolve_checkpoint(str(tmp_path / "missing"))
+    # safetensors beside a .bin: the safetensors are what transformers loads, so it is accepted
+    both = _policy_dir(tmp_path / "both", ("model.safetensors", "pytorch_model.bin"))
+    assert resolve_checkpoint(str(both)) == str(both.resolve())
+
+
+def test_config_from_args_and_environment():
+    cfg = load_config({"index": "idx", "max_batch_size": "4"}, env={"RAGGYM_SERVE_TOP_K": "5", "RAGGYM_SERVE_INDEX": "other"})
+    assert cfg["app"]["index"] == "idx" and cfg["settings"] == {"max_batch_size": "4", "top_k": "5"}
+    s = ServeSettings.from_dict(cfg["settings"])
+    assert s.max_batch_size == 4 and s.top_k == 5
+    with pytest.raises(ValueError, match="unknown serve argument"):
+        load_config({"index": "idx", "max_batchsize": 4}, env={})
+    with pytest.raises(ValueError, match="max_turn_tokens"):
+        ServeSettings.from_dict({"max_turn_tokens": "many"})
+
+
+def test_merging_runner_merges_waiting_batches_up_to_max_size():
+    import time
+
+    from actors.serving import MergingRunner
+
+    def double(xs):
+        time.sleep(0.05)  # the worker is busy while the other submissions queue up
+        return [2 * x for x in xs]
+
+    async def go(max_size):
+        runner = MergingRunner(double, max_size, "t")
+        first = asyncio.ensure_future(runner.submit([0]))
+        await asyncio.sleep(0.01)
+        rest = await asyncio.gather(*[runner.submit([i, 100 + i]) for i in range(1, 6)])
+        return await first, rest, runner.stats.as_dict()
+
+    first, rest, stats = asyncio.run(go(4))
+    assert first == [0] and rest == [[2 * i, 200 + 2 * i] for i in range(1, 6)]
+    assert stats["calls"] == 11 and stats["batch_sizes"] == {"1": 1, "2": 1, "4": 2}  # 1, then 4 + 4 + 2
+    _, _, stats = asyncio.run(go(1))
+    assert stats["batches"] == 11 and stats["max_batch_size"] == 1
+
+
+# ----------------------------------------------------------------------------- parser properties
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+                     max_leaves=12)
+_answer_body = st.fixed_dictionaries({}, optional={
+    "question": st.one_of(st.text(max_size=40), _json), "max_turns": st.one_of(st.integers(-3, 12), _json),
+    "modes": st.one_of(st.lists(st.sampled_from(["passage", "graph", "hybrid", "web", ""]), max_size=4), _json),
+    "extra": _json})
+
+
+@settings(max_examples=300, deadline=None)
+@given(_answer_body)
+def test_answer_parser_accepts_only_valid_requests(body):
+    api = HttpApi(None, ServeSettings(max_turns_limit=8), ("passage", "graph", "hybrid"))
+    try:
+        req = api.parse_answer(body)
+    except ApiError as e:
+        assert 400 <= e.status < 500 and e.payload()["error"]["message"]
+        return
+    assert isinstance(req.question, str) and req.question.strip() == req.question and req.question
+    assert 1 <= req.max_turns <= 8
+    assert req.modes is None or (req.modes and set(req.modes) <= {"passage", "graph", "hybrid"})
+    assert "extra" not in body
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200) | _json.map(lambda v: json.dumps(v).encode()),
+       st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain", None]))
+def test_json_reader_never_crashes(body, ctype):
+    api = HttpApi(None, ServeSettings(max_body_bytes=100), ("passage",))
+    try:
+        out = api.read_json(ctype, body)
+    except ApiError as e:
+        assert e.status in (400, 413, 415)
+        return
+    assert isinstance(out, dict) and ctype and ctype.startswith("application/json") and len(body) <= 100

@@ -1,0 +1,220 @@
+"""SFT cold start: golden episodes through the real environments, masked loss, a short real run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments.sft import DIALECTS, golden_examples, masked_cross_entropy, run_sft
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from raggym.models import load_policy_tokenizer
+
+    return load_policy_tokenizer("smollm2-135m")
+
+
+def _pick(world, kind, hops=None):
+    for q in world.questions:
+        if q.kind == kind and (hops is None or q.hops == hops):
+            return q
+    raise AssertionError(f"no {kind} question in the test world")
+
+
+# ---------------------------------------------------------------- golden episodes
+
+
+def test_loss_mask_covers_exactly_the_model_segments(small_world, small_world_retriever, tokenizer):
+    from actors.rollout import chat_prompt_ids
+    from envs import RagSearchEnv
+
+    q = _pick(small_world, "bridge", 2)
+    [ex] = golden_examples([q], small_world_retriever, "routerag", tokenizer, max_observation_tokens=64,
+                           show_progress=False)
+    # Replay the same episode by hand and lay the tokens out as the rollout rules say.
+    env = RagSearchEnv(small_world_retriever, None, "routerag")
+    prompt, _ = env.reset(options={"question": q})
+    d = env.dialect
+    segments = [
+        d.search_segment(q.golden_trajectory[0]["query"], mode=q.golden_trajectory[0]["mode"],
+                         reasoning=f"To answer this I first need {q.golden_trajectory[0]['query']}.", turn=0),
+        d.search_segment(q.golden_trajectory[1]["query"], mode=q.golden_trajectory[1]["mode"],
+                         reasoning=f"The search says it is {q.golden_trajectory[0]['answer']}. Next I need "
+                                   f"{q.golden_trajectory[1]['query']}.", turn=1),
+        d.answer_segment(q.answer, reasoning=f"The search says it is {q.golden_trajectory[1]['answer']}, which "
+                                             "answers the question.", turn=2),
+    ]
+    ids = list(chat_prompt_ids(tokenizer, prompt))
+    mask = [0] * len(ids)
+    for seg in segments:
+        seg_ids = tokenizer(seg, add_special_tokens=False)["input_ids"]
+        ids += seg_ids
+        mask += [1] * len(seg_ids)
+        obs, reward, terminated, _, _ = env.step(seg)
+        if not terminated:
+            obs_ids = tokenizer(obs, add_special_tokens=False)["input_ids"][:64]
+            ids += obs_ids
+            mask += [0] * len(obs_ids)
+    assert reward == 1.0
+    assert ex["token_ids"] == ids and ex["loss_mask"] == mask
+    # the masked runs decode to exactly the three segments, in order
+    runs, current = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            current.append(t)
+        elif current:
+            runs.append(current)
+            current = []
+    runs.append(current)
+    assert [tokenizer.decode(r) for r in runs] == segments
+    assert ex["text"].endswith(f"<answer> {q.answer} </answer>") and ex["question_id"] == q.id
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_golden_episodes_end_with_the_gold_answer_and_em_one(dialect, small_world, small_world_retriever, tokenizer):
+    from raggym.protocol import get_dialect
+
+    qs = [_pick(small_world, "single"), _pick(small_world, "bridge", 2), _pick(small_world, "comparison")]
+    # a cap large enough that no observation loses its closing tag (the format check needs them)
+    examples = golden_examples(qs, small_world_retriever, dialect, tokenizer, max_observation_tokens=1024,
+                               show_progress=False)
+    assert [e["question_id"] for e in examples] == [q.id for q in qs]
+    for q, ex in zip(qs, examples):
+        assert ex["reward"] == 1.0  # the env's exact-match reward
+        assert ex["num_searches"] == len(q.golden_trajectory)
+        assert len(ex["token_ids"]) == len(ex["loss_mask"]) and 0 < sum(ex["loss_mask"]) < len(ex["loss_mask"])
+        assert ex["loss_mask"][-1] == 1 and ex["text"].rstrip().endswith(f"<answer> {q.answer} </answer>")
+        if dialect != "r1_router":  # the whole response passes the dialect's trajectory check
+            prompt_end = ex["loss_mask"].index(1)
+            response = tokenizer.decode(ex["token_ids"][prompt_end:])
+            assert get_dialect(dialect).format_check(response).ok, response
+
+
+_SAFE_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="<>[]{}|"), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(query=_SAFE_TEXT, answer=_SAFE_TEXT, turn=st.integers(0, 3), dialect=st.sampled_from(DIALECTS[:5]))
+def test_written_segments_parse_back_to_their_action(query, answer, turn, dialect):
+    from raggym.protocol import get_dialect
+    from raggym.protocol.tags import clean_block, clean_inline
+
+    d = get_dialect(dialect)
+    if clean_inline(query):
+        action = d.parse(d.search_segment(query, mode="graph", reasoning="why", turn=turn))
+        assert action.kind == "search" and action.query == clean_inline(query) and action.well_formed
+        assert action.mode == ("graph" if dialect == "routerag" else None)
+    else:
+        with pytest.raises(ValueError, match="does not parse back"):
+            d.search_segment(query, reasoning="why", turn=turn)
+    if clean_block(answer):
+        action = d.parse(d.answer_segment(answer, reasoning="so", turn=turn))
+        assert action.kind == "answer" and action.answer == clean_block(answer)
+
+
+# ---------------------------------------------------------------- loss
+
+
+def test_masked_cross_entropy_matches_a_hand_computed_value():
+    import torch
+
+    logits = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 2.0, 0.0], [0.0, 0.0, 3.0], [5.0, 5.0, 5.0]]])
+    ids = torch.tensor([[2, 1, 0, 2]])
+    mask = torch.tensor([[0, 1, 0, 1]])  # targets 1 (predicted at position 0) and 2 (at position 2)
+    # position 0: uniform over 3 -> -log(1/3); position 2: logits (0,0,3), target 2
+    expected = (math.log(3) + (math.log(2 + math.exp(3)) - 3)) / 2
+    assert masked_cross_entropy(logits, ids, mask).item() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="no token has loss_mask 1"):
+        masked_cross_entropy(logits, ids, torch.tensor([[1, 0, 0, 0]]))
+
+
+# ---------------------------------------------------------------- a short real run
+
+
+def _batch_loss(model, examples):
+    import torch
+
+    from experiments.sft import _masked_nll_sum, _pad
+
+    rows = [(e["token_ids"], e["loss_mask"]) for e in examples]
+    ids, att, mask = _pad(rows, 0, "cpu")
+    with torch.no_grad():
+        fast = _masked_nll_sum(model, ids, att, mask) / int(mask[:, 1:].sum())
+        full = masked_cross_entropy(model(input_ids=ids, attention_mask=att).logits, ids, mask)
+    return float(fast), float(full)
+
+
+def test_short_sft_run_lowers_the_loss_and_exports_a_loadable_safetensors_policy(
+        small_world, small_world_retriever, tokenizer, tmp_path):
+    import torch
+
+    from raggym.models import load_policy
+
+    torch.set_num_threads(2)
+    qs = [q for q in small_world.questions if q.kind == "single"][:4]
+    examples = golden_examples(qs, small_world_retriever, "search_r1", tokenizer, max_observation_tokens=32,
+                               show_progress=False)
+    base, _ = load_policy("smollm2-135m")
+    before, before_full = _batch_loss(base, examples)
+    assert before == pytest.approx(before_full, rel=1e-4)  # head-on-masked-positions path == full logits
+    del base
+    summary = run_sft("smollm2-135m", examples, tmp_path / "run", epochs=3, lr=1e-4, batch_size=2, grad_accum=2,
+                      max_seq_tokens=512, show_progress=False)
+    assert summary["steps"] == 3 and summary["examples"] == 4 and summary["loss_last"] < summary["loss_first"]
+    policy_dir = tmp_path / "run" / "policy"
+    names = {p.name for p in policy_dir.iterdir()}
+    assert "model.safetensors" in names and "config.json" in names and "tokenizer.json" in names
+    assert not [n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl"))]
+    assert not [p for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3] and all(r["loss"] > 0 for r in lines)
+    assert json.loads((tmp_path / "run" / "sft_summary.json").read_text())["steps"] == 3
+    trained, _ = load_policy(str(policy_dir))
+    after, _ = _batch_loss(trained, examples)
+    assert after < before - 0.05
+
+
+def test_lora_run_exports_merged_weights(small_world, small_world_retriever, tokenizer, tmp_path):
+    from safetensors import safe_open
+
+    qs = [q for q in small_world.questions if q.kind == "single"][:2]
+    examples = golden_examples(qs, small_world_retriever, "graph_r1", tokenizer, max_observation_tokens=16,
+                               show_progress=False)
+    summary = run_sft("smollm2-135m", examples, tmp_path, epochs=1, lr=1e-3, batch_size=2, max_seq_tokens=384,
+                      lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}, show_progress=False)
+    assert summary["lora"]["r"] == 4 and summary["steps"] == 1
+    with safe_open(str(tmp_path / "policy" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not [k for k in keys if "lora" in k.lower()]
+    assert any(k.endswith("q_proj.weight") for k in keys)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_raise_clear_errors(small_world, small_world_retriever, tokenizer, tmp_path):
+    from raggym.data import Question
+
+    with pytest.raises(ValueError, match="no examples"):
+        run_sft("smollm2-135m", [], tmp_path)
+    with pytest.raises(ValueError, match="unknown dialect 'toolformer'"):
+        golden_examples(small_world.questions[:1], small_world_retriever, "toolformer", tokenizer)
+    with pytest.raises(ValueError, match="no questions"):
+        golden_examples([], small_world_retriever, "routerag", tokenizer)
+    plain = Question(id="plain-1", question="Who?", answers=("X",))
+    with pytest.raises(ValueError, match="'plain-1' has no golden_trajectory"):
+        golden_examples([plain], small_world_retriever, "routerag", tokenizer)
+    with pytest.raises(ValueError, match=r"example 0 \(q7\): 3 token_ids but 2 loss_mask"):
+        run_sft("smollm2-135m", [{"token_ids": [1, 2, 3], "loss_mask": [0, 1], "question_id": "q7"}], tmp_path)
+    with pytest.raises(ValueError, match="no example has a model token"):
+        run_sft("smollm2-135m", [{"token_ids": [1, 2, 3], "loss_mask": [0, 0, 1]}], tmp_path, max_seq_tokens=2)
+    with pytest.raises(ValueError, match="unknown LoRA key"):
+        run_sft("smollm2-135m", [{"token_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path, lora={"rank": 4})
+    with pytest.raises(ValueError, match="lr must be a positive"):
+        run_sft("smollm2-135m", [{"token_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path, lr=0)
+    assert not (tmp_path / "policy").exists()
