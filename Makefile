@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) --no-build-isolation -e '.[dev]'
 	touch $(STAMP)
 
+# Two pytest workers, one test module each at a time (module fixtures such as a shared Ray
+# session stay in one process): Ray start-up, job submission and HTTP waits overlap with compute.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -69,10 +69,11 @@ def run_pipeline(args) -> dict | int:
     train_q, heldout_q = split_questions(world.questions, args.heldout_fraction, args.seed)
     heldout_q = heldout_q[: args.eval_questions]
     wdir = out / "world"
-    write_corpus(world.corpus, wdir / "corpus.jsonl")
+    wdir.mkdir(parents=True, exist_ok=True)
+    write_corpus(wdir / "corpus.jsonl", world.corpus)
     (wdir / "openie.json").write_text(json.dumps(world.openie), encoding="utf-8")
-    write_questions(train_q, wdir / "train_questions.jsonl")
-    write_questions(heldout_q, wdir / "heldout_questions.jsonl")
+    write_questions(wdir / "train_questions.jsonl", train_q)
+    write_questions(wdir / "heldout_questions.jsonl", heldout_q)
     _say(f"world: {len(world.corpus)} passages, {len(train_q)} training and {len(heldout_q)} held-out questions", quiet)
     lap("world", t0)
 
@@ -90,7 +91,8 @@ def run_pipeline(args) -> dict | int:
                 "questions": str(wdir / "heldout_questions.jsonl"), "openie": str(wdir / "openie.json"),
                 "index_dir": str(index_dir)}]
     eval_kwargs = dict(dialect="routerag", max_response_tokens=args.eval_response_tokens, max_turn_tokens=args.turn_tokens,
-                       top_k=2, retrieval_budget=2, workers=2, temperature=0.0, seed=args.seed, show_progress=not quiet)
+                       top_k=2, retrieval_budget=2, workers=2, temperature=0.0, seed=args.seed, show_progress=not quiet,
+                       max_observation_tokens=64)
     systems = list(args.systems)
     evaluations: list[tuple[str, dict]] = []
 
@@ -120,7 +122,11 @@ def run_pipeline(args) -> dict | int:
         "data.source=files", f"data.corpus={wdir / 'corpus.jsonl'}", f"data.questions={wdir / 'train_questions.jsonl'}",
         f"data.openie={wdir / 'openie.json'}", f"data.index_dir={index_dir}",
         f"rollout.prompts_per_step={args.prompts_per_step}", f"rollout.group_size={args.group_size}",
-        f"learner.optimizer.lr={args.rl_lr}", *args.overrides,
+        f"learner.optimizer.lr={args.rl_lr}", f"learner.mini_batch_size={args.prompts_per_step * args.group_size}",
+        "learner.micro_batch_size=4", "learner.num_threads=2", "rollout.workers=2", "rollout.waves=2",
+        f"rollout.max_response_tokens={args.eval_response_tokens}", f"rollout.max_turn_tokens={args.turn_tokens}",
+        "rollout.max_observation_tokens=64", "env.kwargs.top_k=2", "env.kwargs.retrieval_budget=2",
+        "retrieval.shards=2", "ray.num_cpus=8", *args.overrides,
     ]
     cfg = load_config(str(RL_CONFIG), overrides)
     train(cfg)

@@ -53,7 +53,7 @@ GRAPH_SYSTEMS = ("graph_only", "hybrid_only")
 DEFAULT_RESPONSE_TOKENS = 256
 DEFAULT_TURN_TOKENS = 96
 DEFAULT_BUDGET = 4
-CHUNK_QUESTIONS = 8  # questions per rollout call (the progress bar moves once per call)
+CHUNK_QUESTIONS = 32  # questions per rollout call: larger engine batches; the progress bar moves once per call
 
 
 # ----------------------------------------------------------------------------- prompts
