@@ -33,8 +33,11 @@ $(STAMP): pyproject.toml Makefile
 
 # Two pytest workers, one test module each at a time (module fixtures such as a shared Ray
 # session stay in one process): Ray start-up, job submission and HTTP waits overlap with compute.
+# The long end-to-end module is named first (with a few quick modules after it) so that it starts
+# at once on one worker while the other works through the rest; pytest drops the repeated paths.
+FIRST_TESTS := tests/test_train_e2e.py tests/test_protocol.py tests/test_metrics.py tests/test_losses.py tests/test_advantages.py
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile $(FIRST_TESTS) tests
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

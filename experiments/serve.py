@@ -255,7 +255,8 @@ def run_serve(args) -> int:
 
     app_args = args_to_app(args)
     build_app(app_args)  # validate the checkpoint, index and settings before Ray starts
-    init = {"address": args.address, "include_dashboard": False}
+    # Without --address: a private local Ray (never silently join a cluster found on this machine).
+    init = {"address": args.address or "local", "include_dashboard": False}
     if args.num_cpus:
         init["num_cpus"] = args.num_cpus
     ray.init(**init, log_to_driver=not args.json)

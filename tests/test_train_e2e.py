@@ -150,13 +150,13 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
 def _submit(dashboard: str, env: dict, args: list[str]) -> subprocess.CompletedProcess:
     """`ray job submit`, retried while the freshly started dashboard has no job agent yet."""
     ray_bin = Path(sys.executable).parent / "ray"
-    for _ in range(12):
+    deadline = time.monotonic() + 300  # the job agent can take minutes to register on a busy 2-core machine
+    while True:
         job = subprocess.run([str(ray_bin), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--", *args],
                              env=env, capture_output=True, text=True, timeout=900)
-        if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr:
+        if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr or time.monotonic() > deadline:
             return job
         time.sleep(5)
-    return job
 
 
 def test_killed_run_resumes_as_a_ray_job_and_matches_uninterrupted(run_a, cluster, tmp_path_factory):
