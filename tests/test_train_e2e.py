@@ -43,7 +43,11 @@ def cluster():
            "RAY_AUTH_MODE": "token", "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     subprocess.run([str(ray_bin), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     port, dash = _free_port(), _free_port()
-    subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=8",
+    # The job agent's HTTP port is fixed (52365) by default; under `pytest -n 2` another module's
+    # local Ray may hold it, and then no job can be submitted. Give this cluster its own ports.
+    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                   f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
+    subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", f"--dashboard-port={dash}", *agent_ports, "--num-cpus=8",
                     "--include-dashboard=true", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
                    env=env, check=True, capture_output=True, timeout=180)
     try:
