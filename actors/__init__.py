@@ -1,9 +1,8 @@
 """Ray layer: thin actors around ``raggym`` and ``envs`` objects.
 
 - ``actors.retrieval_service``: ``IndexShard``, ``GraphReplica``, ``RetrievalService``
-- ``actors.env_runner``: ``EnvRunner`` (batched environments, async retrieval)
+- ``actors.env_runner``: ``EnvRunner`` (batched environments driving ``envs.rollout``, async retrieval)
 - ``actors.engines``: ``HFEngine``, ``VLLMEngine``, ``RolloutWorker``
-- ``actors.rollout``: the multi-turn token-in-token-out loop
 - ``actors.learner``: ``Learner`` / ``LearnerGroup`` (DeepSpeed), ``actors.weight_sync``
 - ``actors.registry``: RLlib env registration
 

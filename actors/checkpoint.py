@@ -13,7 +13,8 @@ safetensors + JSON.
 
 No pickle anywhere (DeepSpeed's own ``save_checkpoint`` uses ``torch.save``). Under ZeRO-3 every
 rank must call these functions together (parameters are gathered collectively); rank 0 writes,
-every rank reads. The trainer's own state (step, data cursor, RNG) is the recipe's business.
+every rank reads. The trainer's own state (step, data cursor, RNG) is the recipe's business, and
+so is making a whole checkpoint appear at once: write it into ``raggym.atomic.atomic_directory``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from raggym.atomic import atomic_write_json
 
 OPTIMIZER_FILE = "learner_optimizer.safetensors"
 STATE_FILE = "learner_state.json"
@@ -129,7 +132,7 @@ def save_learner_state(learner, out_dir: str | Path) -> Path | None:
         ],
         "config": learner.config.to_dict(),
     }
-    (out / STATE_FILE).write_text(json.dumps(meta, indent=2))
+    atomic_write_json(out / STATE_FILE, meta)  # written last and whole: its presence means the state is complete
     return out
 
 

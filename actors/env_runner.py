@@ -1,10 +1,11 @@
 """``EnvRunner``: many environment instances stepped in batches, as a Ray actor.
 
-The runner owns environments (any registered id) but no big data: their retriever is a client of
-the ``RetrievalService`` actor. It drives ``actors.rollout.MultiTurnRollout`` with a
-``RayBackend``, whose generation goes to rollout-worker actors and whose retrieval goes to the
-service, both asynchronously: while one wave of episodes waits for the engine, another wave's
-searches are being answered.
+The runner owns environments (any registered id, with the wrappers ``gymnasium.make`` applies)
+but no big data: their retrievers are clients of ``RetrievalService`` actors (one service, or
+one per knowledge base for R1-Router's routing env). It drives ``envs.rollout.MultiTurnRollout``
+with a ``RayBackend``, whose generation goes to rollout-worker actors and whose retrieval goes to
+the services, both asynchronously: while one wave of episodes waits for the engine, another
+wave's searches are being answered.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from actors.rollout import MultiTurnRollout, RolloutConfig
+from envs.rollout import EpisodeRequest, MultiTurnRollout, RolloutConfig
 from envs.stepping import RetrievalRequest
 
 
@@ -29,15 +30,14 @@ class ServiceRetriever:
 
 
 class RayBackend:
-    """Generation on rollout workers (round-robin), retrieval on the service; both async."""
+    """Generation on rollout workers (round-robin), retrieval on the services; both async."""
 
-    def __init__(self, rollout_workers: Sequence[Any], service=None):
+    def __init__(self, rollout_workers: Sequence[Any]):
         if not rollout_workers:
             raise ValueError("RayBackend needs at least one rollout worker")
         self.workers = list(rollout_workers)
         self._next_worker = itertools.cycle(range(len(self.workers)))
-        self.service = service
-        self._expand: dict[Any, list[int]] = {}
+        self._expand: dict[Any, list[tuple[int, int, int]]] = {}
 
     def submit_generate(self, prompts, sampling, stop_strings, max_new_tokens):
         worker = self.workers[next(self._next_worker)]
@@ -46,21 +46,31 @@ class RayBackend:
     def submit_retrieve(self, requests: Sequence[RetrievalRequest]):
         import ray
 
-        if self.service is None or not all(isinstance(r.retriever, ServiceRetriever) for r in requests):
+        if not all(isinstance(r.retriever, ServiceRetriever) for r in requests):
             from envs.stepping import run_retrieval
 
             return ray.put(run_retrieval(list(requests)))  # envs with in-process retrievers
-        # One service call per wave: group by (mode, k), deduplicate identical queries.
-        groups: dict[tuple[str, int], dict[str, int]] = {}
-        slot_of: list[tuple[tuple[str, int], str]] = []
+        # One call per service and wave: group by (mode, k), deduplicate identical queries.
+        by_service: dict[int, Any] = {}
+        groups: dict[int, dict[tuple[str, int], dict[str, int]]] = {}
         for r in requests:
+            service = r.retriever.service
+            by_service.setdefault(id(service), service)
             key = (r.mode, int(r.k))
-            groups.setdefault(key, {}).setdefault(r.query, len(groups[key]))
-            slot_of.append((key, r.query))
-        keys = list(groups)
-        ref = self.service.retrieve_groups.remote([(mode, k, list(groups[(mode, k)])) for mode, k in keys])
-        offsets = {key: i for i, key in enumerate(keys)}
-        self._expand[ref] = [(offsets[key], groups[key][q]) for key, q in slot_of]
+            queries = groups.setdefault(id(service), {}).setdefault(key, {})
+            queries.setdefault(r.query, len(queries))
+        refs, offsets = [], {}
+        for sid, service_groups in groups.items():
+            keys = list(service_groups)
+            offsets.update({(sid, key): (len(refs), i) for i, key in enumerate(keys)})
+            refs.append(by_service[sid].retrieve_groups.remote([(m, k, list(service_groups[(m, k)])) for m, k in keys]))
+        plan = []
+        for r in requests:
+            sid, key = id(r.retriever.service), (r.mode, int(r.k))
+            call, group = offsets[(sid, key)]
+            plan.append((call, group, groups[sid][key][r.query]))
+        ref = refs[0] if len(refs) == 1 else _gather.remote(*refs)
+        self._expand[ref] = [(0, g, i) for _, g, i in plan] if len(refs) == 1 else plan
         return ref
 
     def wait_one(self, futures):
@@ -76,17 +86,32 @@ class RayBackend:
         plan = self._expand.pop(future, None)
         if plan is None:
             return value
-        return [value[g][i] for g, i in plan]
+        calls = [value] if not isinstance(value, tuple) else list(value)
+        return [calls[c][g][i] for c, g, i in plan]
+
+
+def _gather_impl(*values):
+    return tuple(values)
+
+
+try:  # a tiny task that joins several services' answers into one future
+    import ray as _ray
+
+    _gather = _ray.remote(num_cpus=0)(_gather_impl)
+except ImportError:  # pragma: no cover - Ray is a hard dependency of this layer
+    _gather = None
 
 
 class EnvRunner:
-    """Holds ``num_envs`` environments of one registered id and rolls out batches of questions.
+    """Holds environments of one registered id and rolls out batches of episode requests.
 
-    ``env_kwargs`` go to ``gymnasium.make`` (minus the retriever, which is the service client).
-    Plain class; ``EnvRunner.as_remote(**ray_options)`` gives the actor class.
+    ``services`` is one ``RetrievalService`` actor (the env gets ``retriever=``) or a mapping
+    knowledge-base name -> service (the env gets ``knowledge_bases=``, as R1-Router's routing env
+    takes them). ``env_kwargs`` go to ``gymnasium.make``. Plain class;
+    ``EnvRunner.as_remote(**ray_options)`` gives the actor class.
     """
 
-    def __init__(self, env_id: str, service, rollout_workers: Sequence[Any], tokenizer_spec: str,
+    def __init__(self, env_id: str, services, rollout_workers: Sequence[Any], tokenizer_spec: str,
                  env_kwargs: dict | None = None, rollout_config: dict | None = None, num_threads: int = 1):
         import gymnasium
         import torch
@@ -96,14 +121,16 @@ class EnvRunner:
 
         torch.set_num_threads(num_threads)
         self.env_id = env_id
-        self.service = service
-        self.retriever = ServiceRetriever(service)
+        if isinstance(services, dict):
+            retrievers = {"knowledge_bases": {name: ServiceRetriever(s) for name, s in services.items()}}
+        else:
+            retrievers = {"retriever": ServiceRetriever(services)}
         self.env_kwargs = dict(env_kwargs or {})
         self.tokenizer = load_policy_tokenizer(tokenizer_spec)
-        self.backend = RayBackend(rollout_workers, service)
+        self.backend = RayBackend(rollout_workers)
         self.config = RolloutConfig(**(rollout_config or {}))
-        self._make = lambda questions, corpus: gymnasium.make(env_id, retriever=self.retriever, questions=questions,
-                                                              corpus=corpus, **self.env_kwargs).unwrapped
+        self._make = lambda questions, corpus: gymnasium.make(env_id, questions=questions, corpus=corpus,
+                                                              **retrievers, **self.env_kwargs)
 
     @classmethod
     def as_remote(cls, **ray_options):
@@ -111,20 +138,19 @@ class EnvRunner:
 
         return ray.remote(**ray_options)(cls) if ray_options else ray.remote(cls)
 
-    def rollout(self, questions: Sequence[Any], group_ids: Sequence[str], sample_indices: Sequence[int],
-                sampling=None, gold_passages: Sequence[dict] = ()) -> list[dict]:
-        """Run one episode per question; returns trajectories as plain dicts (``Trajectory.as_dict``).
+    def rollout(self, requests: Sequence[EpisodeRequest], sampling=None, gold_passages: Sequence[dict] = ()) -> list:
+        """Run one episode per request; returns, per request, its ``raggym.trajectory.Rollout`` records.
 
         ``gold_passages`` (``{"id","title","text"}`` dicts) let the episode records carry the gold
         evidence texts that evidence overlap needs, without shipping the corpus to the runner.
         """
-        from raggym.data import Passage, Question
+        from raggym.data import Passage
 
-        qs = [q if isinstance(q, Question) else Question.from_dict(q) for q in questions]
         corpus = {p["id"]: Passage(p["id"], p["title"], p["text"]) for p in gold_passages}
-        envs = [self._make(qs, corpus) for _ in qs]
+        questions = [r.question for r in requests]
+        envs = [self._make(questions, corpus) for _ in requests]
         loop = MultiTurnRollout(self.backend, self.tokenizer, sampling, self.config)
-        return [t.as_dict() for t in loop.run(envs, qs, group_ids, sample_indices)]
+        return loop.run_episodes(envs, list(requests))
 
     def ping(self) -> bool:
         return True

@@ -15,6 +15,8 @@ Batch format (``TrainBatch``, a dict of tensors, sequences right-padded to one l
     attention_mask   [N, T]        1 on real tokens
     loss_mask        [N, T]        1 on tokens the policy generated and is trained on
     advantages       [N] or [N, T]
+    sampled_logprobs [N, T]        optional: the rollout engine's logprobs of the sampled tokens;
+                                   only compared with the recomputed old logprobs (logged drift)
     old_logprobs     [N, T]        optional: log π_old(token_t | tokens_<t); default: computed
                                    here from the current weights before the first update
                                    (the on-policy ratio is then exactly 1 on the first mini-batch)
@@ -59,7 +61,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
@@ -75,8 +77,10 @@ from raggym.algorithms.losses import (
     teacher_topk,
     topk_forward_kl,
 )
+from raggym.config_util import dataclass_from_mapping
+from raggym.models import LoraSettings, apply_lora
 
-TrainBatch = dict[str, torch.Tensor]
+from raggym.algorithms.batch import TrainBatch, make_train_batch  # noqa: F401  (re-exported)
 
 # ---------------------------------------------------------------------------------------------
 # configuration
@@ -91,16 +95,6 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
-
-
-@dataclass
-class LoraSettings:
-    """peft LoRA settings (GraphRAG-R1 uses r = 16, alpha = 32)."""
-
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass
@@ -149,7 +143,7 @@ class LearnerConfig:
             return cls()
         if isinstance(data, cls):
             return data
-        return _from_mapping(cls, data)
+        return dataclass_from_mapping(cls, data)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,68 +164,12 @@ class LearnerConfig:
         return self.loss.kl_coef > 0 or self.loss.teacher_kl
 
 
-_NESTED = {"optimizer": OptimizerConfig, "loss": PolicyLossConfig, "lora": LoraSettings}
-
-
-def _from_mapping(cls, data: Mapping[str, Any]):
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}; known: {sorted(known)}")
-    kwargs = {}
-    for key, value in data.items():
-        sub = _NESTED.get(key) if cls is LearnerConfig else None
-        if sub is not None and value is not None and not is_dataclass(value):
-            value = _from_mapping(sub, value)
-        if key in ("betas", "target_modules") and value is not None:
-            value = tuple(value)
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
 # ---------------------------------------------------------------------------------------------
 # batches
 # ---------------------------------------------------------------------------------------------
 
 _REQUIRED = ("token_ids", "attention_mask", "loss_mask", "advantages")
 _TEACHER = ("teacher_token_ids", "teacher_attention_mask", "teacher_positions", "teacher_kl_mask", "evidence_overlap")
-
-
-def make_train_batch(
-    token_ids: Sequence[Sequence[int]],
-    loss_masks: Sequence[Sequence[int]],
-    advantages: Sequence[float] | Sequence[Sequence[float]],
-    old_logprobs: Sequence[Sequence[float]] | None = None,
-    pad_token_id: int = 0,
-) -> TrainBatch:
-    """Right-pad Python lists into a ``TrainBatch`` (token-level advantages are padded with 0)."""
-    n = len(token_ids)
-    if not (len(loss_masks) == len(advantages) == n) or (old_logprobs is not None and len(old_logprobs) != n):
-        raise ValueError("token_ids, loss_masks, advantages (and old_logprobs) need one entry per sequence")
-    width = max(len(t) for t in token_ids)
-    ids = torch.full((n, width), int(pad_token_id), dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.float32)
-    for i, (t, m) in enumerate(zip(token_ids, loss_masks)):
-        if len(m) != len(t):
-            raise ValueError(f"sequence {i}: {len(t)} tokens but {len(m)} loss-mask entries")
-        ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
-        attn[i, : len(t)] = 1
-        mask[i, : len(t)] = torch.tensor(list(m), dtype=torch.float32)
-    batch: TrainBatch = {"token_ids": ids, "attention_mask": attn, "loss_mask": mask}
-    if advantages and isinstance(advantages[0], (list, tuple)):
-        adv = torch.zeros((n, width), dtype=torch.float32)
-        for i, a in enumerate(advantages):
-            adv[i, : len(a)] = torch.tensor(list(a), dtype=torch.float32)
-        batch["advantages"] = adv
-    else:
-        batch["advantages"] = torch.tensor([float(a) for a in advantages], dtype=torch.float32)
-    if old_logprobs is not None:
-        old = torch.zeros((n, width), dtype=torch.float32)
-        for i, lp in enumerate(old_logprobs):
-            old[i, : len(lp)] = torch.tensor(list(lp), dtype=torch.float32)
-        batch["old_logprobs"] = old
-    return batch
 
 
 def batch_size_of(batch: TrainBatch) -> int:
@@ -384,7 +322,9 @@ class Learner:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         if cfg.lora is not None:
-            model = _apply_lora(model, cfg.lora, cfg.zero_stage)
+            if cfg.zero_stage == 3:
+                raise ValueError("LoRA with ZeRO-3 is not supported here: use ZeRO stage 0-2 (adapters are small)")
+            model = apply_lora(model, cfg.lora)
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         optimizer = torch.optim.AdamW(trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
@@ -587,6 +527,7 @@ class Learner:
         batch = dict(batch)
         if "old_logprobs" not in batch:
             batch["old_logprobs"] = self.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+        drift = _logprob_drift(batch.pop("sampled_logprobs", None), batch["old_logprobs"], batch["loss_mask"])
         if cfg.loss.kl_coef > 0 and "ref_logprobs" not in batch:
             batch["ref_logprobs"] = self.compute_ref_logprobs(batch["token_ids"], batch["attention_mask"])
         if cfg.loss.teacher_kl:
@@ -635,6 +576,7 @@ class Learner:
         elapsed = time.perf_counter() - started
         self.version += 1
         metrics = {k: sum(m[k] for m in per_mini) / len(per_mini) for k in per_mini[0]}
+        metrics.update(drift)
         if cfg.loss.teacher_kl:
             metrics["teacher_kl"] = teacher_kl_sum / teacher_trajectories if teacher_trajectories else 0.0
             metrics["teacher_kl_trajectories"] = teacher_trajectories / cfg.ppo_epochs
@@ -759,20 +701,6 @@ class Learner:
 # ---------------------------------------------------------------------------------------------
 
 
-def _apply_lora(model, lora: LoraSettings, zero_stage: int):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as exc:
-        raise ImportError("LoRA needs the 'peft' package (`pip install peft`); it is not installed") from exc
-    if zero_stage == 3:
-        raise ValueError("LoRA with ZeRO-3 is not supported here: use ZeRO stage 0-2 (adapters are small)")
-    config = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
-
-
 def _merged_lora_parameters(peft_model):
     """HF-named full weights of a peft model: ``W + (alpha/r)·B·A`` for adapted layers."""
     peft_model.merge_adapter()
@@ -791,9 +719,31 @@ def _merged_lora_parameters(peft_model):
 # ---------------------------------------------------------------------------------------------
 
 
+def _logprob_drift(sampled: torch.Tensor | None, recomputed: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |log π_rollout − log π_learner| over trained tokens (verl's rollout-probs diff).
+
+    The engine sampled with the same weights the learner recomputes with, so any gap is numerical
+    (kernels, dtype, batching) or a bug (stale weights, misaligned tokens); it is logged every step.
+    """
+    if sampled is None:
+        return {}
+    mask = loss_mask.to(torch.bool)
+    if not bool(mask.any()):
+        return {"logprob_drift_mean": 0.0, "logprob_drift_max": 0.0, "logprob_drift_tokens": 0.0}
+    gap = (sampled.to(torch.float32) - recomputed.to(torch.float32)).abs()[mask]
+    return {"logprob_drift_mean": float(gap.mean()), "logprob_drift_max": float(gap.max()),
+            "logprob_drift_tokens": float(mask.sum())}
+
+
 def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     keys = per_rank[0].keys()
     out = {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys}
+    if "logprob_drift_max" in out:  # the worst token over all ranks; the mean weighted by tokens
+        out["logprob_drift_max"] = max(m["logprob_drift_max"] for m in per_rank)
+        total = sum(m["logprob_drift_tokens"] for m in per_rank)
+        out["logprob_drift_mean"] = (sum(m["logprob_drift_mean"] * m["logprob_drift_tokens"] for m in per_rank) / total
+                                     if total else 0.0)
+        out["logprob_drift_tokens"] = total
     for k in ("tokens", "tokens_per_s", "teacher_kl_trajectories"):  # these add up over ranks
         if k in out:
             out[k] = sum(m[k] for m in per_rank)

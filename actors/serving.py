@@ -3,7 +3,7 @@
 The pieces, from the bottom up:
 
 * ``AgentCore`` runs one multi-turn episode per question with the same code the trainer uses
-  (``envs.RagSearchEnv`` parses and steps, ``actors.rollout.MultiTurnRollout`` keeps the exact
+  (``envs.RagSearchEnv`` parses and steps, ``envs.rollout.MultiTurnRollout`` keeps the exact
   token bookkeeping). It takes any engine (``generate(prompts, sampling, stop, max_new)``) and any
   retriever (``retrieve(queries, mode, k)``), so it runs without Ray on an ``HFEngine`` and a
   ``raggym.retrieval.Retriever``, and inside Serve on the handle wrappers below.
@@ -61,6 +61,9 @@ class ServeSettings:
     batch_wait_timeout_s: float = 0.01
     retrieval_max_batch_size: int = 32
     retrieval_batch_wait_timeout_s: float = 0.005
+    # GET /v1/status (engine, index and batching details, which name files on the server's disk) is
+    # off unless asked for: the API has no authentication yet, and /healthz only says "ok".
+    status_endpoint: bool = False
 
     def __post_init__(self):
         ints = ("top_k", "default_max_turns", "max_turns_limit", "max_question_chars", "max_body_bytes",
@@ -166,7 +169,7 @@ class AgentCore:
     def answer(self, question: str, max_turns: int | None = None, modes: Sequence[str] | None = None,
                request_id: str | None = None) -> dict:
         """Run the episode; returns the response body of ``POST /v1/answer``."""
-        from actors.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
+        from envs.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
         from envs import RagSearchEnv
         from raggym.data.types import Question
 
@@ -253,7 +256,7 @@ def generate_grouped(engine, requests: Sequence[GenerationRequest]) -> list[Gene
 
 
 class BatchStats:
-    """Counts of batched calls: how many, how large (the burst test and /healthz read these)."""
+    """Counts of batched calls: how many, how large (``/v1/status`` reports them)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -380,7 +383,9 @@ class HttpApi:
     """Routing, validation and response shapes of the served agent, independent of Ray.
 
     ``answer_fn(question, max_turns, modes, request_id) -> dict`` runs an episode (``AgentCore.answer``);
-    ``health_fn() -> dict`` adds engine and retrieval figures to ``/healthz``.
+    ``status_fn() -> dict`` adds engine and retrieval figures to ``/v1/status``, which exists only
+    when ``settings.status_endpoint`` is on. ``/healthz`` is liveness alone: it names no model
+    directory, index path or other file of the server.
     """
 
     ROUTES = {
@@ -389,14 +394,18 @@ class HttpApi:
         "/v1/answer": ("POST",),
         "/v1/chat/completions": ("POST",),
     }
+    STATUS_ROUTE = "/v1/status"
 
     def __init__(self, answer_fn: Callable[..., dict], settings: ServeSettings, supported_modes: Sequence[str],
-                 multi_mode: bool = True, health_fn: Callable[[], dict] | None = None, created: int | None = None):
+                 multi_mode: bool = True, status_fn: Callable[[], dict] | None = None, created: int | None = None):
         self.answer_fn = answer_fn
         self.settings = settings
         self.supported_modes = tuple(supported_modes)
         self.multi_mode = multi_mode
-        self.health_fn = health_fn
+        self.status_fn = status_fn
+        self.routes = dict(self.ROUTES)
+        if settings.status_endpoint:
+            self.routes[self.STATUS_ROUTE] = ("GET",)
         self.created = int(created or time.time())
         self.served = 0
         self.refused = 0
@@ -406,9 +415,9 @@ class HttpApi:
     def route(self, method: str, path: str) -> str:
         """The endpoint for ``path`` or an ``ApiError`` (404 unknown path, 405 wrong method)."""
         path = "/" + path.strip("/") if path.strip("/") else "/"
-        allowed = self.ROUTES.get(path)
+        allowed = self.routes.get(path)
         if allowed is None:
-            raise ApiError(404, f"no endpoint {path}; available: {', '.join(f'{m[0]} {p}' for p, m in self.ROUTES.items())}",
+            raise ApiError(404, f"no endpoint {path}; available: {', '.join(f'{m[0]} {p}' for p, m in self.routes.items())}",
                            "not_found_error", code="unknown_endpoint")
         if method.upper() not in allowed:
             raise ApiError(405, f"{path} accepts {', '.join(allowed)}, not {method.upper()}", "invalid_request_error",
@@ -421,6 +430,8 @@ class HttpApi:
             endpoint = self.route(method, path)
             if endpoint == "/healthz":
                 result = self.health()
+            elif endpoint == self.STATUS_ROUTE:
+                result = self.status()
             elif endpoint == "/v1/models":
                 result = self.models()
             else:
@@ -515,10 +526,15 @@ class HttpApi:
 
     # -------------------------------------------------------------- endpoints
     def health(self) -> dict:
+        """Liveness: the ingress answers. Nothing about the server's files (the model name can be one)."""
+        return {"status": "ok"}
+
+    def status(self) -> dict:
+        """Details for operators (``GET /v1/status``, off by default): the index path is among them."""
         out = {"status": "ok", "model": self.settings.model_name, "dialect": self.settings.dialect,
                "modes": list(self.supported_modes), "requests": {"served": self.served, "refused": self.refused}}
-        if self.health_fn is not None:
-            out.update(self.health_fn())
+        if self.status_fn is not None:
+            out.update(self.status_fn())
         return out
 
     def models(self) -> dict:
@@ -734,10 +750,10 @@ def make_deployments():
             self.core = AgentCore(HandleEngine(policy_handle, timeout), HandleRetriever(retrieval_handle, timeout),
                                   tokenizer, self.settings, supported_modes)
             self.api = HttpApi(self.core.answer, self.settings, self.core.supported_modes, self.core.multi_mode,
-                               health_fn=self._health)
+                               status_fn=self._status)
             self._pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests, thread_name_prefix="episode")
 
-        def _health(self) -> dict:
+        def _status(self) -> dict:
             t = self.settings.request_timeout_s
             return {"engine": self.policy.info.remote().result(timeout_s=t),
                     "retrieval": self.retrieval.info.remote().result(timeout_s=t)}

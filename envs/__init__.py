@@ -15,18 +15,33 @@ id                            class                         dialect (method)
 
 >>> import gymnasium, envs
 >>> env = gymnasium.make("raggym/RouteRAG-v0", retriever=my_retriever, questions=my_questions)  # doctest: +SKIP
+>>> stepping = envs.batched_step_env(env)  # what the rollout loop calls begin_step/finish_step on  # doctest: +SKIP
+
+Every environment implements the public batched-step protocol of ``envs.stepping``
+(``begin_step``, ``finish_step``, ``truncate``, ``check_step_call``, ``stop_strings``, ``record``,
+``dialect``, ``context_mode``); ``envs.BatchedStepWrapper`` is the base for wrappers that must
+survive batched stepping.
 """
 
 import gymnasium
 
-from envs.multi_kb_route_env import MultiKBRouteEnv
+from envs.multi_kb_route_env import MultiKBRouteEnv, golden_steps
 from envs.questions import QuestionPicker
 from envs.rag_search_env import RagSearchEnv
 from envs.records import EpisodeRecord, RouteEpisodeRecord, RouteStepRecord, TurnRecord
 from envs.retriever import Retriever
 from envs.rewards import exact_match_reward
 from envs.spaces import UnicodeText
-from envs.stepping import RetrievalRequest, StepResult, run_retrieval, step_batch
+from envs.stepping import (
+    CONTEXT_MODES,
+    BatchedStepEnv,
+    RetrievalRequest,
+    StepResult,
+    run_retrieval,
+    step_batch,
+    step_through,
+)
+from envs.wrappers import BatchedStepWrapper, batched_step_env
 
 SEARCH_ENV_IDS = {
     "raggym/RouteRAG-v0": "routerag",
@@ -53,9 +68,12 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "CONTEXT_MODES",
     "ENV_IDS",
     "SEARCH_ENV_IDS",
     "MULTI_KB_ENV_ID",
+    "BatchedStepEnv",
+    "BatchedStepWrapper",
     "EpisodeRecord",
     "MultiKBRouteEnv",
     "QuestionPicker",
@@ -67,7 +85,10 @@ __all__ = [
     "StepResult",
     "TurnRecord",
     "UnicodeText",
+    "batched_step_env",
     "exact_match_reward",
+    "golden_steps",
     "run_retrieval",
     "step_batch",
+    "step_through",
 ]

@@ -20,20 +20,21 @@ penalties can be expressed there.
 
 The environment never raises on model output. It raises on API misuse: stepping before ``reset``
 or after the episode ended, or passing something other than a ``str``.
+
+It implements the batched-step protocol of ``envs.stepping`` (``begin_step``, ``finish_step``,
+``truncate``) with ``context_mode = "append"``: every observation extends the running transcript.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import gymnasium as gym
-
 from envs.questions import QuestionPicker, QuestionSource, gold_passage_texts
 from envs.records import EpisodeRecord, TurnRecord
 from envs.retriever import Retriever, check_retriever
 from envs.rewards import exact_match_reward
 from envs.spaces import UnicodeText
-from envs.stepping import RetrievalRequest, StepResult, retrieve_one
+from envs.stepping import APPEND_CONTEXT, BatchedStepEnv, RetrievalRequest, StepResult
 from raggym.data.types import Question
 from raggym.protocol import ANSWER, SEARCH, Action, Dialect, get_dialect
 from raggym.protocol.action import invalid
@@ -45,7 +46,7 @@ CHAR_LIMIT = "char_limit"
 TOKEN_LIMIT = "token_limit"
 
 
-class RagSearchEnv(gym.Env):
+class RagSearchEnv(BatchedStepEnv):
     """Gymnasium environment for multi-turn retrieval-augmented question answering.
 
     Parameters
@@ -88,6 +89,7 @@ class RagSearchEnv(gym.Env):
     """
 
     metadata = {"render_modes": ["ansi"]}
+    context_mode = APPEND_CONTEXT
 
     def __init__(
         self,
@@ -169,16 +171,6 @@ class RagSearchEnv(gym.Env):
 
     # ------------------------------------------------------------------ API
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        """Strings at which the rollout engine must stop generating a segment (kept in it)."""
-        return self.dialect.stop_strings
-
-    @property
-    def record(self) -> EpisodeRecord | None:
-        """The current (or just finished) episode's record."""
-        return self._record
-
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         super().reset(seed=seed)
         question = self._questions.pick(options, self.np_random)
@@ -204,13 +196,6 @@ class RagSearchEnv(gym.Env):
         self._tokens = self.token_counter(prompt) if self.token_counter else 0
         return prompt, {"question_id": question.id, "budget_left": self.retrieval_budget}
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
-        self._check_step_call(action)
-        outcome = self._begin_step(action)
-        if isinstance(outcome, RetrievalRequest):
-            outcome = self._finish_step(outcome, retrieve_one(outcome))
-        return tuple(outcome)  # type: ignore[return-value]
-
     def render(self) -> str | None:
         if self.render_mode == "ansi" and self._record is not None:
             return self._record.transcript()
@@ -218,15 +203,7 @@ class RagSearchEnv(gym.Env):
 
     # ------------------------------------------------------- two-phase step
 
-    def _check_step_call(self, action: Any) -> None:
-        if self._record is None:
-            raise RuntimeError("call reset() before step()")
-        if self._record.terminated or self._record.truncated:
-            raise RuntimeError("the episode is over (terminated or truncated); call reset() first")
-        if not isinstance(action, str):
-            raise TypeError(f"step() expects the assistant segment as str, got {type(action).__name__}")
-
-    def _begin_step(self, segment: str) -> StepResult | RetrievalRequest:
+    def begin_step(self, segment: str) -> StepResult | RetrievalRequest:
         if len(segment) > self.max_segment_chars:
             action = invalid(f"segment longer than {self.max_segment_chars} characters")
         else:
@@ -256,7 +233,7 @@ class RagSearchEnv(gym.Env):
         self._record.num_format_errors += 1
         return self._close_turn(turn)
 
-    def _finish_step(self, request: RetrievalRequest, result) -> StepResult:
+    def finish_step(self, request: RetrievalRequest, result) -> StepResult:
         record = self._record
         hits = result.hits
         facts = tuple(result.facts)
@@ -287,7 +264,7 @@ class RagSearchEnv(gym.Env):
         record.turns.append(turn)
         record.answer = action.answer
         record.terminated = True
-        return self._result(turn, self._final_reward(), terminated=True, truncated=False)
+        return self._result(turn, self._terminal_reward(), terminated=True, truncated=False)
 
     def _budget_exhausted_turn(self, segment: str, action: Action) -> StepResult:
         record = self._record
@@ -299,7 +276,7 @@ class RagSearchEnv(gym.Env):
             record.num_format_errors += 1
         record.truncated = True
         record.truncation_reason = BUDGET
-        return self._result(turn, self._final_reward(), terminated=False, truncated=True)
+        return self._result(turn, self._terminal_reward(), terminated=False, truncated=True)
 
     def _close_turn(self, turn: TurnRecord) -> StepResult:
         """Append a non-terminal turn and truncate if the transcript outgrew its limits."""
@@ -317,12 +294,7 @@ class RagSearchEnv(gym.Env):
             return self._result(turn, 0.0, terminated=False, truncated=False)
         record.truncated = True
         record.truncation_reason = reason
-        return self._result(turn, self._final_reward(), terminated=False, truncated=True)
-
-    def _final_reward(self) -> float:
-        reward = float(self.reward_fn(self._record))
-        self._record.reward = reward
-        return reward
+        return self._result(turn, self._terminal_reward(), terminated=False, truncated=True)
 
     def _result(self, turn: TurnRecord, reward: float, terminated: bool, truncated: bool) -> StepResult:
         record = self._record
@@ -339,6 +311,15 @@ class RagSearchEnv(gym.Env):
             "format_valid": not turn.format_error,
             "format_error": turn.format_error,
             "parse_error": turn.action.error,
+            **self._episode_info(),
+        }
+        if terminated or truncated:
+            info["episode"] = record
+        return StepResult(turn.observation, reward, terminated, truncated, info)
+
+    def _episode_info(self) -> dict[str, Any]:
+        record = self._record
+        return {
             "answer": record.answer,
             "total_retrieval_seconds": record.retrieval_seconds,
             "total_retrieval_cost": record.retrieval_cost,
@@ -347,6 +328,7 @@ class RagSearchEnv(gym.Env):
             "truncation_reason": record.truncation_reason,
             "question_id": record.question.id,
         }
-        if terminated or truncated:
-            info["episode"] = record
-        return StepResult(turn.observation, reward, terminated, truncated, info)
+
+    def _truncation_result(self, reward: float) -> StepResult:
+        # No turn ran: the info holds the episode-level keys of a step's info and the record.
+        return StepResult("", reward, False, True, {**self._episode_info(), "episode": self._record})

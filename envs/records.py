@@ -162,7 +162,11 @@ class RouteStepRecord:
 
     ``phase`` is ``"route"``, ``"answer"`` (intermediate answer to the step's sub-question) or
     ``"final"``. ``context`` is the full prompt the model saw, ``output`` what it wrote. The
-    ``gold_*`` fields come from the question's golden trajectory where it is known.
+    ``gold_*`` fields come from the question's golden trajectory where it is known; in a
+    teacher-forced routing step past the last golden step the gold is the stop action, ``"None"``
+    for both the sub-question and the knowledge base. ``retrieved`` says whether the documents
+    fields hold a retrieval: a free-running routing step's, or the golden sub-question's that a
+    teacher-forced answer step was shown.
     """
 
     index: int
@@ -179,6 +183,7 @@ class RouteStepRecord:
     retrieved_texts: tuple[str, ...] = ()
     seconds: float = 0.0
     cost: float = 0.0
+    retrieved: bool = False
     format_error: bool = False
     # Why the output was rejected; differs from action.error when a valid action came in the
     # wrong phase (an answer where a routing step was due).
@@ -203,6 +208,7 @@ class RouteStepRecord:
             "retrieved_texts": list(self.retrieved_texts),
             "seconds": self.seconds,
             "cost": self.cost,
+            "retrieved": self.retrieved,
             "format_error": self.format_error,
             "error": self.error,
             "gold_knowledge_base": self.gold_knowledge_base,
@@ -213,7 +219,13 @@ class RouteStepRecord:
 
 @dataclass(slots=True)
 class RouteEpisodeRecord:
-    """A whole ``MultiKBRouteEnv`` episode."""
+    """A whole ``MultiKBRouteEnv`` episode.
+
+    A teacher-forced episode (Step-GRPO, one model call) sets ``teacher_forced_phase`` (``route``,
+    ``answer`` or ``final``), ``golden_prefix`` (how many golden steps its input holds) and
+    ``golden_step_index`` (the caller's ``step_index`` option, the step's position in
+    ``MultiKBRouteEnv.golden_step_options``); they are ``None`` in a free-running episode.
+    """
 
     question: Question
     steps: list[RouteStepRecord] = field(default_factory=list)
@@ -227,13 +239,16 @@ class RouteEpisodeRecord:
     retrieval_cost: float = 0.0
     num_format_errors: int = 0
     gold_passages: tuple[str, ...] = ()
+    teacher_forced_phase: str | None = None
+    golden_prefix: int | None = None
+    golden_step_index: int | None = None
 
     @property
     def done(self) -> bool:
         return self.terminated or self.truncated
 
     def retrieval_steps(self) -> list[RouteStepRecord]:
-        return [s for s in self.steps if s.phase == "route" and s.sub_question is not None]
+        return [s for s in self.steps if s.retrieved]
 
     def all_retrieved_texts(self) -> list[str]:
         return [text for s in self.steps for text in s.retrieved_texts]
@@ -261,6 +276,9 @@ class RouteEpisodeRecord:
             "retrieved_ids": [list(s.retrieved_ids) for s in retrievals],
             "retrieved_texts": [list(s.retrieved_texts) for s in retrievals],
             "format_ok": self.num_format_errors == 0 and self.answer is not None,
+            "teacher_forced_phase": self.teacher_forced_phase,
+            "golden_prefix": self.golden_prefix,
+            "golden_step_index": self.golden_step_index,
             "steps": [s.as_dict() for s in self.steps],
         }
 

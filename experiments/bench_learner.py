@@ -112,13 +112,14 @@ def bench_plain_torch(args, batch) -> dict:
 def bench_sync(args, learner) -> dict:
     import ray
 
+    from actors.cluster import init_ray
     from actors.engines import RolloutWorker
     from actors.weight_sync import pick_free_port
 
     t = time.perf_counter()
     flat = learner.get_weights()
     pack = time.perf_counter() - t
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    init_ray("local", num_cpus=2)  # a private instance: the broadcast below goes over 127.0.0.1
     try:
         worker = RolloutWorker.as_remote(num_cpus=1).remote(engine="hf", model=args.model)
         ray.get(worker.ping.remote())

@@ -23,7 +23,7 @@ class _TimedBackend:
     """LocalBackend that measures time spent in retrieval (to exclude it)."""
 
     def __init__(self, engine):
-        from actors.rollout import LocalBackend
+        from envs.rollout import LocalBackend
 
         self.inner = LocalBackend(engine)
         self.retrieval_seconds = 0.0
@@ -49,7 +49,8 @@ def bench_rollout(world, retriever, episodes: int, threads: int) -> dict:
 
     from actors.engines.base import SamplingParams
     from actors.engines.hf import HFEngine
-    from actors.rollout import MultiTurnRollout, RolloutConfig, chat_prompt_ids
+    from envs.rollout import MultiTurnRollout, RolloutConfig
+    from raggym.trajectory import chat_prompt_ids
     from envs import RagSearchEnv
 
     torch.set_num_threads(threads)
@@ -79,11 +80,12 @@ def bench_rollout(world, retriever, episodes: int, threads: int) -> dict:
 def bench_retrieval(index_dir: str, queries: list[str], batches=(32, 64), repeats: int = 3) -> list[dict]:
     import ray
 
+    from actors.cluster import init_ray
     from actors.retrieval_service import start_retrieval_service
     from raggym.retrieval import Retriever
 
     local = Retriever.load(index_dir)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_ray("local", num_cpus=4)  # a private instance: the numbers are this machine's
     service, _, _ = start_retrieval_service(index_dir)
     out = []
     for mode in ("passage", "graph"):

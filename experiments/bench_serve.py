@@ -59,15 +59,15 @@ async def _load(url: str, questions: list[str], clients: int, per_client: int, m
         t0 = time.perf_counter()
         await asyncio.gather(*[client(i, session) for i in range(clients)])
         wall = time.perf_counter() - t0
-        async with session.get(f"{url}/healthz") as r:
-            health = await r.json()
+        async with session.get(f"{url}/v1/status") as r:
+            status = await r.json()
     lat = np.array(latencies) if latencies else np.zeros(1)
     return {
         "requests": clients * per_client, "ok": len(latencies), "errors": len(errors), "error_examples": errors[:3],
         "wall_seconds": round(wall, 2), "throughput_rps": round(len(latencies) / wall, 3),
         "latency_p50_s": round(float(np.percentile(lat, 50)), 3), "latency_p99_s": round(float(np.percentile(lat, 99)), 3),
-        "engine_batching": health.get("engine", {}).get("batching"),
-        "retrieval_batching": health.get("retrieval", {}).get("batching"),
+        "engine_batching": status.get("engine", {}).get("batching"),
+        "retrieval_batching": status.get("retrieval", {}).get("batching"),
     }
 
 
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
+    from actors.cluster import init_ray
     from experiments.serve import start
     from raggym.data.synthetic import generate_world
     from raggym.retrieval import Retriever
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         index = os.path.join(tmp, "index")
         Retriever.build(world.corpus, openie=world.openie, show_progress=False).save(index)
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+        init_ray("local", num_cpus=args.num_cpus)  # a private instance: the numbers are this machine's
         port = _free_port()
         try:
             sizes = [args.max_batch_size] + ([] if args.skip_unbatched else [1])
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
                              "batch_wait_timeout_s": args.batch_wait_timeout_s, "max_turn_tokens": args.max_turn_tokens,
                              "default_max_turns": args.max_turns, "max_turns_limit": max(8, args.max_turns),
                              "engine_threads": args.engine_threads, "policy_cpus": 1, "retrieval_cpus": 0.5,
-                             "ingress_cpus": 0.5}, port=port, name=f"bench-{size}")
+                             "ingress_cpus": 0.5, "status_endpoint": True}, port=port, name=f"bench-{size}")
                 startup = time.perf_counter() - t
                 result = asyncio.run(_load(url, questions, args.clients, args.requests, args.max_turns))
                 out["runs"].append({"max_batch_size": size, "startup_seconds": round(startup, 1), **result})

@@ -39,17 +39,17 @@ def run_demo(args) -> int:
 
 
 def run_pipeline(args) -> dict | int:
-    import ray
-
+    from actors.cluster import init_ray
     from experiments.evaluate import evaluate
     from raggym.data.splits import split_questions
     from experiments.report import read_jsonl, write_report
     from experiments.sft import golden_examples, run_sft
     from experiments.train import load_config, train
+    from raggym.atomic import atomic_write_json
     from raggym.data import write_corpus, write_questions
     from raggym.data.synthetic import generate_world
     from raggym.models import load_policy_tokenizer
-    from raggym.retrieval import Retriever
+    from raggym.retrieval import Retriever, ensure_index
 
     quiet = bool(args.json)
     started = time.perf_counter()
@@ -71,7 +71,7 @@ def run_pipeline(args) -> dict | int:
     wdir = out / "world"
     wdir.mkdir(parents=True, exist_ok=True)
     write_corpus(wdir / "corpus.jsonl", world.corpus)
-    (wdir / "openie.json").write_text(json.dumps(world.openie), encoding="utf-8")
+    atomic_write_json(wdir / "openie.json", world.openie, indent=None)
     write_questions(wdir / "train_questions.jsonl", train_q)
     write_questions(wdir / "heldout_questions.jsonl", heldout_q)
     _say(f"world: {len(world.corpus)} passages, {len(train_q)} training and {len(heldout_q)} held-out questions", quiet)
@@ -79,14 +79,11 @@ def run_pipeline(args) -> dict | int:
 
     # 2. index ---------------------------------------------------------------------------
     t0 = time.perf_counter()
-    index_dir = out / "index"
-    if not (index_dir / "manifest.json").exists():
-        Retriever.build(world.corpus, openie=world.openie, shards=2, show_progress=not quiet).save(index_dir)
+    index_dir = ensure_index(out / "index", world.corpus, openie=world.openie, shards=2, show_progress=not quiet)
     retriever = Retriever.load(index_dir)
     lap("index", t0)
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=8)  # stays up for the evaluations and training below; ends with the process
     heldout = [{"name": "synthetic-heldout", "source": "files", "corpus": str(wdir / "corpus.jsonl"),
                 "questions": str(wdir / "heldout_questions.jsonl"), "openie": str(wdir / "openie.json"),
                 "index_dir": str(index_dir)}]

@@ -15,7 +15,8 @@ Systems (none needs training):
 
 Every system runs as episodes of the dialect's environment on EnvRunner actors, with generation
 on RolloutWorker actors and retrieval on the RetrievalService, exactly as training rollouts do
-(``experiments.train.start_runtime`` / ``rollout``). Graph systems on an index without a
+(``experiments.runtime.RayRuntime`` and ``evaluate_episodes``, the one evaluator that
+in-training evaluation and the SFT check use too). Graph systems on an index without a
 knowledge graph are skipped with a reason; the agent there searches in passage mode only (noted).
 
 Outputs under ``out_dir`` (all written atomically): ``results.json`` (per dataset and system
@@ -233,7 +234,7 @@ def markdown_table(results: dict) -> str:
 def resolve_policy(policy: str | os.PathLike) -> str:
     """A model spec or HF dir as given; a checkpoint dir -> its ``policy/``; a run dir -> the
     ``policy/`` of its latest complete checkpoint."""
-    from experiments.train import latest_checkpoint
+    from experiments.training import latest_checkpoint
     from raggym.models import ModelSpecError, resolve_model_spec
 
     path = Path(policy)
@@ -287,8 +288,9 @@ def _check_dataset(d: dict) -> None:
 def load_dataset(d: dict, index_cache: Path, max_questions: int | None, show_progress: bool = True):
     """``(questions, corpus, index_dir, has_graph)``; builds and caches the index when needed."""
     from raggym.data import load_corpus, load_questions
-    from raggym.retrieval import Retriever
+    from raggym.retrieval import ensure_index
     from raggym.retrieval.retriever import corpus_fingerprint
+    from raggym.retrieval.storage import read_manifest
 
     if d["source"] == "synthetic":
         from raggym.data.synthetic import generate_world
@@ -310,20 +312,15 @@ def load_dataset(d: dict, index_cache: Path, max_questions: int | None, show_pro
         questions = questions[: int(max_questions)]
     if not questions:
         raise ValueError(f"dataset {d['name']!r} has no questions to evaluate (split {split!r})")
-    fingerprint = corpus_fingerprint(corpus)
     if d.get("index_dir"):
         index_dir = Path(d["index_dir"])
     else:
+        fingerprint = corpus_fingerprint(corpus)
         index_dir = Path(index_cache) / f"{d['name']}-{fingerprint[:12]}-{'graph' if openie else 'dense'}"
-    manifest = index_dir / "manifest.json"
-    if not manifest.exists():
-        print(f"[eval] building the index for {d['name']} under {index_dir}", flush=True)
-        shards = 1 if len(corpus) < 20_000 else 2  # sharding a small corpus only adds actors
-        Retriever.build(corpus, openie=openie, shards=shards, show_progress=show_progress).save(index_dir)
-    meta = json.loads(manifest.read_text(encoding="utf-8"))
-    if meta.get("corpus_sha1") != fingerprint:
-        raise ValueError(f"index {index_dir} was built from a different corpus than dataset {d['name']!r}")
-    return questions, corpus, index_dir, bool(meta.get("has_graph"))
+    shards = 1 if len(corpus) < 20_000 else 2  # sharding a small corpus only adds actors
+    # ensure_index also refuses an index built from another corpus than this dataset's.
+    ensure_index(index_dir, corpus, openie=openie, shards=shards, show_progress=show_progress)
+    return questions, corpus, index_dir, bool(read_manifest(index_dir).get("has_graph"))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -392,40 +389,59 @@ def _system_env_kwargs(rt, system: str, spec: dict, questions, *, dialect: str, 
     return env_kwargs, pre
 
 
-def _run_system(rt, cfg, runners, pre: dict, questions, corpus, bar) -> list[dict]:
-    """Roll out every question on ``runners`` (one system), a chunk at a time."""
-    from experiments.train import rollout
+def episode_records(rollouts) -> list[dict]:
+    """One plain dict per episode (``Rollout.as_dict()``) from the rollouts of a batch of episodes.
 
-    view = replace(rt, runners=runners)
-    out: list[dict] = []
-    for i in range(0, len(questions), CHUNK_QUESTIONS):
-        chunk = questions[i: i + CHUNK_QUESTIONS]
-        out += rollout(view, cfg, chunk, i // CHUNK_QUESTIONS, corpus)
-        bar.update(len(chunk))
-    for t in out:
-        r = pre.get(t["episode"].get("question_id"))
-        if r is not None:  # record the prompt's retrieval in the episode, as a search turn would be
+    An episode of a ``replace``-mode env (R1-Router) has one rollout per model call; its record is
+    the last call's, with the loss masks of all its calls joined so ``tokens`` counts every call.
+    """
+    episodes: list[dict] = []
+    key = None
+    for r in rollouts:
+        if (r.prompt_id, r.sample_index) == key:  # a later call of the same episode
+            record = r.as_dict()
+            record["loss_mask"] = episodes[-1]["loss_mask"] + record["loss_mask"]
+            episodes[-1] = record
+        else:
+            episodes.append(r.as_dict())
+        key = (r.prompt_id, r.sample_index)
+    return episodes
+
+
+def evaluate_episodes(runtime, questions, sampling, *, env_kwargs: dict | None = None, tag: str = "eval",
+                      prompt_retrievals: dict | None = None) -> tuple[list[dict], dict]:
+    """The one evaluator (harness, in-training evaluation, the SFT check): one episode per
+    question on ``runtime`` (``experiments.runtime``), then ``episode_metrics`` and ``aggregate``.
+
+    ``prompt_retrievals`` (question id -> ``QueryResult``) are retrievals made for the prompt
+    (retrieve-then-read); they are recorded in the episode as a search turn would be.
+    Returns ``(episode records, aggregated metrics)``.
+    """
+    from envs.rollout import EpisodeRequest
+
+    requests = [EpisodeRequest(q, f"{tag}:{q.id}") for q in questions]
+    episodes = episode_records(runtime.rollout(requests, sampling, env_kwargs))
+    for t in episodes:
+        r = (prompt_retrievals or {}).get(t["episode"].get("question_id"))
+        if r is not None:
             t["episode"].update(queries=[r.query], modes=["passage"], retrieved_ids=[[h.id for h in r.hits]],
                                 retrieved_texts=[[h.text for h in r.hits]], num_retrievals=1,
                                 retrieval_seconds=float(r.seconds), retrieval_cost=float(r.cost),
                                 prompt_retrieval=True)
-    return out
+    for t in episodes:
+        t["metrics"] = episode_metrics(t)
+    return episodes, aggregate([t["metrics"] for t in episodes])
 
 
 def _eval_config(policy_path: str, dialect: str, *, workers: int, temperature: float, seed: int,
                  max_response_tokens: int, max_turn_tokens: int, max_observation_tokens: int):
-    from experiments.train import load_config
+    from experiments.config import config_from_dict
 
-    cfg = load_config(None)
-    cfg.policy.model = policy_path
-    cfg.env.id = _env_id(dialect)
-    cfg.run.seed = int(seed)
-    ro = cfg.rollout
-    ro.workers, ro.env_runners, ro.group_size = int(workers), 1, 1
-    ro.temperature, ro.top_p = float(temperature), 1.0
-    ro.max_response_tokens, ro.max_turn_tokens = int(max_response_tokens), int(max_turn_tokens)
-    ro.max_observation_tokens, ro.waves = int(max_observation_tokens), 2
-    return cfg
+    return config_from_dict({
+        "policy": {"model": policy_path}, "env": {"id": _env_id(dialect)}, "run": {"seed": int(seed)},
+        "rollout": {"workers": int(workers), "env_runners": 1, "group_size": 1, "temperature": float(temperature),
+                    "top_p": 1.0, "max_response_tokens": int(max_response_tokens), "max_turn_tokens": int(max_turn_tokens),
+                    "max_observation_tokens": int(max_observation_tokens), "waves": 2}})
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -447,7 +463,10 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
     import ray
     from tqdm.auto import tqdm
 
-    from experiments.train import start_env_runners, start_runtime
+    from actors.cluster import init_ray
+    from experiments.runtime import RayRuntime
+    from experiments.training import sampling_params
+    from raggym.rewards.r1_router import TEXT_KB
     from raggym.data import write_jsonl
     from raggym.models import cache_dir
 
@@ -481,17 +500,9 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
                        max_response_tokens=max_response_tokens, max_turn_tokens=max_turn_tokens,
                        max_observation_tokens=max_observation_tokens)
 
-    own_ray = not ray.is_initialized()
-    if own_ray:
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            # Logical CPUs: enough for every actor's fractional request (service, shards, graph
-            # replica, workers at 0.5, one runner per system at 0.25), whatever the core count.
-            need = 3 + 0.5 * workers + 0.25 * len(systems)
-            ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1, int(need + 1)), include_dashboard=False,
-                     log_to_driver=False)
+    # Logical CPUs: enough for every actor's fractional request (service, shards, graph replica,
+    # workers at 0.5, one runner per system at 0.25), whatever the core count.
+    own_ray = init_ray(min_cpus=max(4, int(3 + 0.5 * workers + 0.25 * len(systems) + 1)))
     by_dataset: dict[str, dict[str, dict]] = {}
     skipped: list[dict] = []
     notes: list[str] = []
@@ -510,29 +521,31 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
             if not plan:
                 continue
             t0 = time.perf_counter()
-            cfg.rollout.env_runners = 0  # one runner per system, made below with that system's env kwargs
-            rt = start_runtime(cfg, index_dir, with_learners=False)
-            cfg.rollout.env_runners = 1
+            rt = RayRuntime(cfg, {TEXT_KB: index_dir}, corpus, with_learners=False)
             timing["runtime_start"] = round(time.perf_counter() - t0, 2)
             try:
-                made = {}
+                systems_kwargs = {}
                 for system, spec in plan:  # all systems' runners start together
-                    env_kwargs, pre = _system_env_kwargs(rt, system, spec, questions, dialect=dialect, top_k=top_k,
-                                                         budget=retrieval_budget)
-                    made[system] = (start_env_runners(cfg, rt.service, rt.workers, env_kwargs), pre)
-                    rt.others += made[system][0]  # released with the runtime
+                    systems_kwargs[system] = _system_env_kwargs(rt, system, spec, questions, dialect=dialect,
+                                                                top_k=top_k, budget=retrieval_budget)
+                    rt.runners(systems_kwargs[system][0])
                 for system, _ in plan:
-                    runners, pre = made[system]
+                    env_kwargs, pre = systems_kwargs[system]
                     t0 = time.perf_counter()
+                    episodes: list[dict] = []
                     with tqdm(total=len(questions), desc=f"eval {d['name']}/{system}", unit="q",
                               disable=not show_progress) as bar:
-                        trajectories = _run_system(rt, cfg, runners, pre, questions, corpus, bar)
-                    per_episode = [episode_metrics(t) for t in trajectories]
-                    by_dataset[d["name"]][system] = aggregate(per_episode)
+                        for i in range(0, len(questions), CHUNK_QUESTIONS):
+                            chunk = questions[i: i + CHUNK_QUESTIONS]
+                            episodes += evaluate_episodes(rt, chunk, sampling_params(cfg, i // CHUNK_QUESTIONS),
+                                                          env_kwargs=env_kwargs, tag=str(i // CHUNK_QUESTIONS),
+                                                          prompt_retrievals=pre)[0]
+                            bar.update(len(chunk))
+                    by_dataset[d["name"]][system] = aggregate([t["metrics"] for t in episodes])
                     timing[system] = round(time.perf_counter() - t0, 2)
                     write_jsonl(out / "trajectories" / f"{d['name']}__{system}.jsonl",
                                 ({"dataset": d["name"], "system": system, "question_id": t["episode"].get("question_id"),
-                                  "metrics": m, **t} for t, m in zip(trajectories, per_episode)))
+                                  **t} for t in episodes))
             finally:
                 rt.shutdown()
     finally:
@@ -552,11 +565,11 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
 
 def write_results(out_dir: str | Path, results: dict) -> None:
     """``results.json`` and ``results.md``, each through a temp file and a rename."""
-    from raggym.data import atomic_write
+    from raggym.atomic import atomic_write_json, atomic_write_text
 
     out = Path(out_dir)
-    atomic_write(out / "results.json", lambda fh: fh.write(json.dumps(results, indent=2, default=str) + "\n"))
-    atomic_write(out / "results.md", lambda fh: fh.write(markdown_table(results)))
+    atomic_write_json(out / "results.json", results, default=str)
+    atomic_write_text(out / "results.md", markdown_table(results))
 
 
 # ----------------------------------------------------------------------------- command line

@@ -15,9 +15,10 @@ report that looks complete.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterable
+
+from raggym.atomic import atomic_write, atomic_write_json, atomic_write_text
 
 MODES = ("passage", "graph", "hybrid")
 # Metrics the before/after table shows, in order, with their display names.
@@ -61,13 +62,6 @@ def mode_mix_by_step(trajectory_dir: str | Path) -> list[dict]:
         step = int(path.stem.split("-")[1])
         rows.append({"step": step, **mode_mix(t.get("episode", {}) for t in read_jsonl(path))})
     return rows
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _fmt(v: Any) -> str:
@@ -138,13 +132,9 @@ def plot_curves(out_dir: Path, train_metrics: list[dict], mix: list[dict], evalu
     steps = [m["step"] for m in train_metrics]
 
     def save(fig, name: str) -> None:
-        path = out_dir / "plots" / f"{name}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{name}.tmp.png")
         fig.tight_layout()
-        fig.savefig(tmp, dpi=110)
+        atomic_write(out_dir / "plots" / f"{name}.png", lambda fh: fig.savefig(fh, format="png", dpi=110), mode="wb")
         plt.close(fig)
-        os.replace(tmp, path)
         plots[name] = f"plots/{name}.png"
 
     for name, key, label in (("reward", "reward_mean", "mean reward"), ("retrieval_turns", "retrievals_mean", "retrievals per episode")):
@@ -197,6 +187,6 @@ def write_report(out_dir: str | Path, *, evaluations: list[tuple[str, dict]], tr
     meta = dict(meta or {})
     report = {"meta": meta, "stages": stages, "comparison": rows, "train_metrics": train_metrics,
               "mode_mix_by_step": mix, "evaluations": dict(evaluations), "plots": images}
-    _atomic_bytes(out / "report.json", json.dumps(report, indent=2).encode("utf-8"))
-    _atomic_bytes(out / "report.md", markdown_report(meta, stages, rows, train_metrics, images).encode("utf-8"))
+    atomic_write_json(out / "report.json", report)
+    atomic_write_text(out / "report.md", markdown_report(meta, stages, rows, train_metrics, images))
     return report

@@ -10,7 +10,11 @@ arguments as a dict of strings. Settings not given there are read from ``RAGGYM_
 environment variables (``RAGGYM_SERVE_CHECKPOINT``, ``RAGGYM_SERVE_INDEX``, ...), then defaults.
 
 Inputs are checked before anything starts: the checkpoint must hold safetensors (or GGUF)
-weights and the index must be a raggym index directory. See ``docs/serving.md``.
+weights and the index must be a raggym index directory. The Ray that ``raggym serve`` starts is
+sized from what the deployments ask for (a 2-core machine runs the 2.5-CPU app); on a cluster
+that is too small, ``start`` fails at once with the deployment, its need and what the cluster
+has, instead of waiting forever for a replica to be scheduled. SIGTERM stops the server the way
+Ctrl-C does. See ``docs/serving.md``.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 # Files that can run code when loaded (pickle-based formats); refused unless safetensors are there.
@@ -40,6 +46,11 @@ APP_KEYS = {
     "ingress_cpus": 0.5,
     "gpu_memory_utilization": 0.5,
 }
+
+
+# On shutdown each replica finishes its in-flight requests, looking every 0.25 s (Serve's default
+# of 2 s made every stop take seconds longer), for at most 10 s.
+DRAIN_OPTIONS = {"graceful_shutdown_wait_loop_s": 0.25, "graceful_shutdown_timeout_s": 10.0}
 
 
 class CheckpointError(ValueError):
@@ -177,17 +188,17 @@ def build_app(args: dict | None = None):
     gpus = app["policy_gpus"] if app["policy_gpus"] >= 0 else (1.0 if app["engine"] == "vllm" else 0.0)
     engine_kwargs = {"gpu_memory_utilization": app["gpu_memory_utilization"]} if app["engine"] == "vllm" else {}
     policy_app = Policy.options(
-        ray_actor_options={"num_cpus": app["policy_cpus"], "num_gpus": gpus},
+        ray_actor_options={"num_cpus": app["policy_cpus"], "num_gpus": gpus}, **DRAIN_OPTIONS,
         max_ongoing_requests=max(settings.max_concurrent_requests, _CONCURRENT_BATCHES * settings.max_batch_size),
     ).bind(policy, app["engine"], engine_kwargs, settings.max_batch_size, settings.batch_wait_timeout_s,
            threads if app["engine"] == "hf" else None)
     retrieval_app = Retrieval.options(
-        ray_actor_options={"num_cpus": app["retrieval_cpus"]},
+        ray_actor_options={"num_cpus": app["retrieval_cpus"]}, **DRAIN_OPTIONS,
         max_ongoing_requests=max(settings.max_concurrent_requests, _CONCURRENT_BATCHES * settings.retrieval_max_batch_size),
     ).bind(str(Path(app["index"]).expanduser().resolve()), settings.retrieval_max_batch_size,
            settings.retrieval_batch_wait_timeout_s, app["retrieval_threads"])
     return Agent.options(
-        ray_actor_options={"num_cpus": app["ingress_cpus"]},
+        ray_actor_options={"num_cpus": app["ingress_cpus"]}, **DRAIN_OPTIONS,
         max_ongoing_requests=settings.max_concurrent_requests,
     ).bind(policy_app, retrieval_app, settings.as_dict(), modes, policy)
 
@@ -195,6 +206,145 @@ def build_app(args: dict | None = None):
 def app(args: dict):
     """Application builder for ``serve run experiments.serve:app checkpoint=DIR index=DIR ...``."""
     return build_app(args)
+
+
+# ----------------------------------------------------------------------------- resources
+
+
+class ResourcesUnavailable(ValueError):
+    """The deployments ask for more than the Ray cluster has; Serve would wait for it forever."""
+
+
+@dataclass(frozen=True)
+class DeploymentNeed:
+    """What one deployment of an application reserves on the cluster."""
+
+    deployment: str
+    replicas: int
+    per_replica: dict  # Ray resource name ("CPU", "GPU", "memory", custom) -> amount
+
+    def describe(self) -> str:
+        amounts = ", ".join(f"{_amount(v, k)} {k}" for k, v in self.per_replica.items() if v)
+        return f"{self.deployment} ({amounts or 'nothing'} per replica x {self.replicas})"
+
+
+def _amount(value: float, resource: str) -> str:
+    if resource == "memory":
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value:g}"
+
+
+def _bound_applications(value):
+    """The Applications among a deployment's init arguments (handles to other deployments)."""
+    from ray.serve import Application
+
+    if isinstance(value, Application):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _bound_applications(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _bound_applications(v)
+
+
+def deployment_needs(application) -> list[DeploymentNeed]:
+    """Every deployment of a bound application with the resources its replicas reserve.
+
+    Reads each deployment's ``ray_actor_options`` and ``num_replicas`` (Serve's default of 1 CPU
+    where ``num_cpus`` is not set); an autoscaling deployment counts with one replica, the least
+    it needs to serve. Dependencies come before the deployments that call them.
+    """
+    needs: dict[str, DeploymentNeed] = {}
+
+    def visit(bound):
+        # Application keeps its deployment in a private attribute; Serve has no public accessor.
+        deployment = bound._bound_deployment
+        for arg in (*deployment.init_args, *deployment.init_kwargs.values()):
+            for child in _bound_applications(arg):
+                visit(child)
+        if deployment.name in needs:
+            return
+        options = deployment.ray_actor_options or {}
+        per_replica = {"CPU": float(1 if options.get("num_cpus") is None else options["num_cpus"]),
+                       "GPU": float(options.get("num_gpus") or 0)}
+        if options.get("memory"):
+            per_replica["memory"] = float(options["memory"])
+        per_replica.update({k: float(v) for k, v in (options.get("resources") or {}).items()})
+        replicas = deployment.num_replicas if isinstance(deployment.num_replicas, int) else 1
+        needs[deployment.name] = DeploymentNeed(deployment.name, replicas, per_replica)
+
+    visit(application)
+    return list(needs.values())
+
+
+def total_need(needs: list[DeploymentNeed]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for need in needs:
+        for resource, amount in need.per_replica.items():
+            total[resource] = total.get(resource, 0.0) + amount * need.replicas
+    return total
+
+
+def check_resources(needs: list[DeploymentNeed], available: dict, largest_node: dict | None = None,
+                    cluster: str = "the Ray cluster") -> None:
+    """Raise ``ResourcesUnavailable`` when ``needs`` cannot all be placed on ``available``.
+
+    ``available`` is what the cluster has free; ``largest_node``, when given, the most of each
+    resource one node has (a replica runs on one node). The message names the first deployment
+    that does not fit, what it needs, what the cluster has, and what the others take.
+    """
+    left = {k: float(v) for k, v in available.items()}
+    placed: list[DeploymentNeed] = []
+    for need in needs:
+        for resource, amount in need.per_replica.items():
+            if amount <= 0:
+                continue
+            if largest_node is not None and amount > largest_node.get(resource, 0.0) + 1e-9:
+                raise ResourcesUnavailable(
+                    f"deployment {need.deployment} needs {_amount(amount, resource)} {resource} per replica, but no "
+                    f"node of {cluster} has that much (the largest has {_amount(largest_node.get(resource, 0.0), resource)})"
+                    f"{_lower_hint(resource)}")
+            wanted = amount * need.replicas
+            have = left.get(resource, 0.0)
+            if wanted > have + 1e-9:
+                free = float(available.get(resource, 0.0))
+                taken = [n for n in placed if n.per_replica.get(resource, 0.0) > 0]
+                others = (f", and {', '.join(n.describe() for n in taken)} {'take' if len(taken) > 1 else 'takes'} "
+                          f"{_amount(free - have, resource)} of it" if taken else "")
+                raise ResourcesUnavailable(
+                    f"deployment {need.deployment} needs {_amount(wanted, resource)} {resource} "
+                    f"({_amount(amount, resource)} per replica x {need.replicas}), but {cluster} has "
+                    f"{_amount(free, resource)} {resource} free{others}. The app needs "
+                    f"{_amount(total_need(needs).get(resource, 0.0), resource)} {resource} in all: "
+                    f"{', '.join(n.describe() for n in needs)}{_lower_hint(resource)}")
+            left[resource] = have - wanted
+        placed.append(need)
+
+
+def _lower_hint(resource: str) -> str:
+    if resource == "CPU":
+        return (". Give Ray more CPUs (raggym serve sizes its private Ray from the app unless --num-cpus is given) "
+                "or reserve fewer (policy_cpus, retrieval_cpus, ingress_cpus)")
+    if resource == "GPU":
+        return ". Run on a machine with a GPU, or use --engine hf (CPU) with policy_gpus=0"
+    return ""
+
+
+def check_cluster_fits(needs: list[DeploymentNeed], cluster: str = "the Ray cluster", wait_s: float = 5.0) -> None:
+    """``check_resources`` against the connected Ray's free resources, before anything is deployed."""
+    import ray
+
+    # A node's resources reach the GCS a moment after it starts; wait briefly for the first report.
+    deadline = time.monotonic() + wait_s
+    while not ray.cluster_resources() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    largest: dict[str, float] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            for resource, amount in (node.get("Resources") or {}).items():
+                largest[resource] = max(largest.get(resource, 0.0), float(amount))
+    check_resources(needs, ray.available_resources(), largest, cluster)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -210,7 +360,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--route-prefix", default="/", help="URL prefix of the API (default /)")
     p.add_argument("--address", default="local", help="Ray address; 'local' starts a private Ray (default)")
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the private Ray (default: all)")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="CPUs of the private Ray (default: the machine's cores, or what the deployments reserve "
+                        "if that is more)")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: from the checkpoint)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--batch-wait-timeout-s", type=float, default=0.01)
@@ -221,6 +373,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--engine-threads", type=int, default=0, help="torch threads of the policy replica (0 = all cores)")
+    p.add_argument("--status-endpoint", action="store_true",
+                   help="enable GET /v1/status (engine, index path, batching figures); off by default because "
+                        "the API has no authentication yet")
     p.add_argument("--json", action="store_true", help="print the endpoint info as one JSON object once serving")
 
 
@@ -231,6 +386,7 @@ def args_to_app(args) -> dict:
         "default_max_turns": args.max_turns, "max_turns_limit": args.max_turns_limit,
         "max_turn_tokens": args.max_turn_tokens, "max_question_chars": args.max_question_chars,
         "top_k": args.top_k, "temperature": args.temperature, "engine_threads": args.engine_threads,
+        "status_endpoint": args.status_endpoint,
     }
     if args.model_name:
         out["model_name"] = args.model_name
@@ -238,55 +394,138 @@ def args_to_app(args) -> dict:
 
 
 def start(app_args: dict, *, host: str = "127.0.0.1", port: int = 8000, route_prefix: str = "/",
-          name: str = "raggym") -> str:
-    """Deploy on the already initialised Ray; returns the base URL once every replica is up."""
+          name: str = "raggym", cluster: str = "the Ray cluster") -> str:
+    """Deploy on the already initialised Ray; returns the base URL once every replica is up.
+
+    Raises ``ResourcesUnavailable`` before deploying when the cluster cannot hold every replica
+    (``cluster`` names it in that message).
+    """
     from ray import serve
 
     application = build_app(app_args)
+    check_cluster_fits(deployment_needs(application), cluster)
     serve.start(http_options={"host": host, "port": int(port)})
     serve.run(application, name=name, route_prefix=route_prefix, blocking=False)
     prefix = "" if route_prefix == "/" else "/" + route_prefix.strip("/")
     return f"http://{host}:{port}{prefix}"
 
 
-def run_serve(args) -> int:
+class StopRequested(KeyboardInterrupt):
+    """SIGTERM, raised as what Ctrl-C raises so that both stop the server through the same path."""
+
+
+def _raise_stop(signum, frame):
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def _set_handlers(handlers: dict) -> dict:
+    """Install signal handlers (main thread only: Python allows no other); returns the ones replaced.
+
+    ``None`` (a handler not set from Python, e.g. by Ray's C++ core) cannot be put back, so it is skipped.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items() if handler is not None}
+
+
+# How long stopping the app may take before Ray itself is stopped: the ingress drains, then the
+# policy and retrieval replicas (each at most DRAIN_OPTIONS' 10 s), then Serve's controller.
+SHUTDOWN_GRACE_S = 25.0
+
+
+def stop_serving(name: str, private: bool, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Remove the app (and, for a private Ray, Serve and Ray themselves) in at most ``grace_s`` plus Ray's stop.
+
+    On a cluster that ``raggym serve`` joined only its own application is deleted: other Serve
+    apps and the cluster keep running.
+    """
     import ray
     from ray import serve
 
-    app_args = args_to_app(args)
-    build_app(app_args)  # validate the checkpoint, index and settings before Ray starts
-    # Without --address: a private local Ray (never silently join a cluster found on this machine).
-    init = {"address": args.address or "local", "include_dashboard": False}
-    if args.num_cpus:
-        init["num_cpus"] = args.num_cpus
-    ray.init(**init, log_to_driver=not args.json)
+    # A second Ctrl-C or SIGTERM must not cut the shutdown short and leave Ray processes behind.
+    replaced = _set_handlers({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
     try:
-        url = start(app_args, host=args.host, port=args.port, route_prefix=args.route_prefix)
-        info = {"url": url, "endpoints": {"answer": f"{url}/v1/answer", "chat": f"{url}/v1/chat/completions",
-                                          "models": f"{url}/v1/models", "health": f"{url}/healthz"},
-                "openai_base_url": f"{url}/v1", "checkpoint": args.checkpoint, "index": args.index,
-                "engine": args.engine, "dialect": args.dialect}
+        if ray.is_initialized():
+            finished = threading.Event()
+
+            def stop_app():
+                try:
+                    serve.shutdown() if private else serve.delete(name)
+                except Exception as e:  # noqa: BLE001 - Ray is stopped below either way
+                    print(f"raggym serve: stopping the app failed ({type(e).__name__}: {e}); stopping Ray",
+                          file=sys.stderr)
+                finally:
+                    finished.set()
+
+            threading.Thread(target=stop_app, name="serve-shutdown", daemon=True).start()
+            if not finished.wait(grace_s):
+                print(f"raggym serve: the app did not stop within {grace_s:g} s; stopping Ray", file=sys.stderr)
+        ray.shutdown()
+    finally:
+        _set_handlers(replaced)
+
+
+def run_serve(args) -> int:
+    from actors.cluster import init_ray
+
+    app_args = args_to_app(args)
+    # Validates the checkpoint, index and settings before Ray starts.
+    needs = deployment_needs(build_app(app_args))
+    # Without --address: a private local Ray (never silently join a cluster found on this machine).
+    # Its logical CPUs are the cores, or what the deployments reserve when that is more: Ray's
+    # CPUs are reservations, the policy's torch threads use the cores whatever it reserved, and
+    # fewer CPUs than reserved would leave a replica unscheduled forever.
+    address = args.address or "local"
+    private = address == "local"
+    if private:
+        cluster = f"the private Ray (--num-cpus {args.num_cpus})" if args.num_cpus else "the private Ray"
+        if args.num_cpus:  # known before Ray starts; GPUs and memory are checked once it runs
+            cpus = {"CPU": float(args.num_cpus)}
+            check_resources([DeploymentNeed(n.deployment, n.replicas, {"CPU": n.per_replica.get("CPU", 0.0)})
+                             for n in needs], cpus, cpus, cluster)
+    else:
+        cluster = f"the Ray cluster at {address}"
+    previous = _set_handlers({signal.SIGTERM: _raise_stop})
+    try:
+        if args.num_cpus:
+            init_ray(address, num_cpus=args.num_cpus)
+        else:
+            init_ray(address, min_cpus=total_need(needs).get("CPU", 0.0) if private else None)
+        # ray.init puts its own SIGTERM handlers in place, which exit without stopping Serve.
+        _set_handlers({signal.SIGTERM: _raise_stop})
+        url = start(app_args, host=args.host, port=args.port, route_prefix=args.route_prefix, cluster=cluster)
+        endpoints = {"answer": f"{url}/v1/answer", "chat": f"{url}/v1/chat/completions",
+                     "models": f"{url}/v1/models", "health": f"{url}/healthz"}
+        if args.status_endpoint:
+            endpoints["status"] = f"{url}/v1/status"
+        info = {"url": url, "endpoints": endpoints, "openai_base_url": f"{url}/v1", "checkpoint": args.checkpoint,
+                "index": args.index, "engine": args.engine, "dialect": args.dialect}
         if args.json:
             print(json.dumps(info), flush=True)
         else:
             print(f"raggym serve: serving {args.checkpoint} over {args.index} at {url} "
-                  f"(POST {url}/v1/answer, OpenAI base URL {url}/v1); Ctrl-C stops", flush=True)
+                  f"(POST {url}/v1/answer, OpenAI base URL {url}/v1); Ctrl-C or SIGTERM stops", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        print("raggym serve: stopping", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(f"raggym serve: stopping ({stop.args[0] if isinstance(stop, StopRequested) else 'SIGINT'})",
+              file=sys.stderr, flush=True)
         return 0
     finally:
         try:
-            serve.shutdown()
+            stop_serving("raggym", private)
         finally:
-            ray.shutdown()
+            _set_handlers(previous)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.serve", description="Serve a trained agent over HTTP.")
     add_arguments(p)
-    return run_serve(p.parse_args(argv))
+    try:
+        return run_serve(p.parse_args(argv))
+    except (ValueError, FileNotFoundError) as e:  # bad inputs, or a cluster too small for the app
+        print(f"python -m experiments.serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ retriever, each step of ``Question.golden_trajectory`` is written as a model seg
 dialect's own syntax (a short reasoning line plus the search, via ``Dialect.search_segment`` /
 ``answer_segment`` / ``R1RouterDialect.route_segment``), the environment is stepped so that the
 observations are what retrieval actually returns, and the episode ends with the gold answer.
-The tokens follow the rollout rules of ``raggym.trajectory.TrajectoryBuilder``: the prompt through
+The tokens follow the rollout rules of ``raggym.trajectory.RolloutBuilder``: the prompt through
 the chat template, model turns as their own tokens (loss mask 1), observations tokenized once and
 capped (loss mask 0). A model trained on these sees exactly the token layout it will produce and
 read during RL rollouts.
@@ -38,16 +38,12 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-DIALECTS = ("routerag", "search_r1", "graph_r1", "lws", "graphrag_r1", "r1_router")
-LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
-DEFAULT_LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj")}
 # Knowledge-base labels of the synthetic world's golden trajectories -> R1-Router base names.
 DEFAULT_KB_NAMES = {"text": "Text Retriever", "table": "Table Retriever"}
 
@@ -143,7 +139,7 @@ def _add_segment(builder, segment: str) -> None:
 def _play_batch(envs, questions, builders, script) -> list[float]:
     """Play golden episodes in lockstep; each round's retrievals go to the retriever as one batch
     (``envs.step_batch``), which is what makes building thousands of examples fast."""
-    from actors.rollout import chat_prompt_ids
+    from raggym.trajectory import chat_prompt_ids
     from envs import step_batch
 
     scripts, pending = [], []
@@ -196,7 +192,7 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
     observations are whole prompts (documents included), so it needs a larger cap (about 512)."""
     from tqdm.auto import tqdm
 
-    from raggym.trajectory import TrajectoryBuilder
+    from raggym.trajectory import RolloutBuilder
 
     _check_dialect(dialect)
     questions = list(questions)
@@ -217,11 +213,11 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
             part = questions[start:start + chunk]
             envs = [make_env(dialect, retriever, top_k=top_k, corpus=corpus, env_kwargs=env_kwargs,
                              longest_trajectory=longest) for _ in part]
-            builders = [TrajectoryBuilder(tokenizer, dialect, q.id, 0, max_response_tokens=1 << 30,
+            builders = [RolloutBuilder(tokenizer, dialect, q.id, 0, max_response_tokens=1 << 30,
                                           max_observation_tokens=max_observation_tokens) for q in part]
             rewards = _play_batch(envs, part, builders, script)
             for q, env, builder, reward in zip(part, envs, builders, rewards):
-                traj = builder.finish({})
+                traj = builder.finish({}, None)
                 record = env.record
                 items = record.steps if dialect == "r1_router" else record.turns
                 retrieved = {pid for item in items for pid in item.retrieved_ids}
@@ -299,18 +295,6 @@ def _check_examples(examples, max_seq_tokens: int) -> tuple[list[tuple[list[int]
     return rows, truncated
 
 
-def _check_lora(lora: dict | None) -> dict | None:
-    if lora is None:
-        return None
-    unknown = set(lora) - LORA_KEYS
-    if unknown:
-        raise ValueError(f"unknown LoRA key(s) {sorted(unknown)}; allowed: {sorted(LORA_KEYS)}")
-    cfg = {**DEFAULT_LORA, **lora}
-    if int(cfg["r"]) < 1:
-        raise ValueError(f"LoRA r must be at least 1, got {cfg['r']}")
-    return cfg
-
-
 def _pad(rows, pad_id: int, device):
     import torch
 
@@ -327,25 +311,15 @@ def _pad(rows, pad_id: int, device):
 
 def export_policy(model, tokenizer, final_dir: Path) -> Path:
     """Save an HF directory (safetensors) atomically: a temporary sibling renamed into place."""
+    from raggym.atomic import atomic_directory
+
     final_dir = Path(final_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final_dir.name + ".tmp-", dir=final_dir.parent))
-    try:
+    with atomic_directory(final_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         unsafe = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         if unsafe:
             raise RuntimeError(f"export wrote unsafe weight files {unsafe}")
-        old = None
-        if final_dir.exists():
-            old = final_dir.with_name(final_dir.name + f".old-{os.getpid()}")
-            os.replace(final_dir, old)
-        os.replace(tmp, final_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final_dir
 
 
@@ -359,15 +333,15 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
     import torch
     from tqdm.auto import tqdm
 
-    from raggym.data.loaders import atomic_write
-    from raggym.models import load_policy
+    from raggym.atomic import atomic_write_json
+    from raggym.models import apply_lora, load_policy, lora_settings
 
     if int(epochs) < 1 or int(batch_size) < 1 or int(grad_accum) < 1 or int(max_seq_tokens) < 2:
         raise ValueError("epochs, batch_size and grad_accum must be >= 1 and max_seq_tokens >= 2")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     rows, truncated = _check_examples(examples, int(max_seq_tokens))
-    lora_cfg = _check_lora(lora)
+    lora_cfg = lora_settings(lora)
     if num_threads:
         torch.set_num_threads(int(num_threads))
     started = time.perf_counter()
@@ -380,13 +354,7 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
     device = torch.device("cuda" if cuda else "cpu")
     model, tokenizer = load_policy(policy, device=str(device))
     if lora_cfg is not None:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError as exc:  # pragma: no cover - peft is a dependency
-            raise ImportError("LoRA needs the 'peft' package") from exc
-        model = get_peft_model(model, LoraConfig(r=int(lora_cfg["r"]), lora_alpha=int(lora_cfg["alpha"]),
-                                                 lora_dropout=float(lora_cfg["dropout"]),
-                                                 target_modules=list(lora_cfg["target_modules"]), task_type="CAUSAL_LM"))
+        model = apply_lora(model, lora_cfg)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=float(lr), weight_decay=0.0)
@@ -435,7 +403,7 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
 
     model.eval()
     if lora_cfg is not None:
-        model = model.merge_and_unload()
+        model = model.merge_and_unload()  # export plain HF weights: W + (alpha/r)·B·A, no adapters
     policy_dir = export_policy(model, tokenizer, out / "policy")
     summary = {
         "policy_dir": str(policy_dir),
@@ -449,10 +417,10 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
         "examples_skipped": len(examples) - len(rows),
         "epochs": int(epochs), "lr": float(lr), "batch_size": int(batch_size), "grad_accum": int(grad_accum),
         "max_seq_tokens": int(max_seq_tokens), "seed": int(seed),
-        "lora": None if lora_cfg is None else {**lora_cfg, "target_modules": list(lora_cfg["target_modules"])},
+        "lora": None if lora_cfg is None else {**asdict(lora_cfg), "target_modules": list(lora_cfg.target_modules)},
         "device": str(device), "compute_dtype": "bfloat16" if cuda else "float32", "policy": str(policy),
     }
-    atomic_write(out / "sft_summary.json", lambda fh: json.dump(summary, fh, indent=2))
+    atomic_write_json(out / "sft_summary.json", summary)
     return summary
 
 
@@ -462,40 +430,36 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
 def evaluate_policy(policy, questions, retriever, dialect: str, *, corpus=None, top_k: int = 3,
                     max_observation_tokens: int = 128, max_turn_tokens: int = 96, max_response_tokens: int = 384,
                     env_kwargs: dict | None = None, num_threads: int | None = None, batch: int = 16) -> dict:
-    """Greedy multi-turn rollouts (``MultiTurnRollout`` + ``LocalBackend`` + ``HFEngine``) on
-    ``questions``: exact match, share of well-formed actions and of episodes ending in an answer."""
+    """Greedy multi-turn episodes on ``questions`` in this process, scored by the one evaluator
+    (``experiments.evaluate.evaluate_episodes``): exact match, the share of well-formed actions
+    and of episodes ending in an answer, searches per question."""
     from actors.engines.base import SamplingParams
     from actors.engines.hf import HFEngine
-    from actors.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
+    from envs.rollout import RolloutConfig
+    from experiments.evaluate import evaluate_episodes
+    from experiments.runtime import InProcessRollouts
+    from raggym.protocol import get_dialect
 
     _check_dialect(dialect)
     questions = list(questions)
     if not questions:
         raise ValueError("evaluate_policy: no questions given")
     engine = HFEngine(policy, num_threads=num_threads) if isinstance(policy, (str, os.PathLike)) else policy
-    cfg = RolloutConfig(max_response_tokens=max_response_tokens, max_turn_tokens=max_turn_tokens,
-                        max_observation_tokens=max_observation_tokens, waves=1)
-    runner = MultiTurnRollout(LocalBackend(engine), engine.tokenizer, SamplingParams(temperature=0.0), cfg)
     longest = max([len(q.golden_trajectory) for q in questions] + [4])
+    config = RolloutConfig(max_response_tokens=max_response_tokens, max_turn_tokens=max_turn_tokens,
+                           max_observation_tokens=max_observation_tokens, waves=1)
+    runtime = InProcessRollouts(engine, engine.tokenizer, lambda qs, _: make_env(
+        dialect, retriever, top_k=top_k, corpus=corpus, env_kwargs=env_kwargs, longest_trajectory=longest), config)
     started = time.perf_counter()
-    rewards, actions, well, answered, searches = [], 0, 0, 0, 0
+    episodes = []
     for i in range(0, len(questions), batch):
-        part = questions[i:i + batch]
-        envs = [make_env(dialect, retriever, top_k=top_k, corpus=corpus, env_kwargs=env_kwargs,
-                         longest_trajectory=longest) for _ in part]
-        trajs = runner.run(envs, part)
-        for env, traj in zip(envs, trajs):
-            record = env.record
-            rewards.append(float(record.reward or 0.0))
-            answered += int(record.answer is not None)
-            searches += int(record.num_retrievals)
-            for turn in traj.turns:
-                action = env.dialect.parse(turn["text"])
-                actions += 1
-                well += int(action.is_valid and action.well_formed)
+        episodes += evaluate_episodes(runtime, questions[i:i + batch], SamplingParams(temperature=0.0), tag="sft")[0]
+    actions = [get_dialect(dialect).parse(turn["text"]) for t in episodes for turn in t["turns"]]
     n = len(questions)
-    return {"questions": n, "em": sum(rewards) / n, "well_formed_share": well / max(1, actions),
-            "answered_share": answered / n, "mean_searches": searches / n, "model_turns": actions,
+    return {"questions": n, "em": sum(t["metrics"]["em"] for t in episodes) / n,
+            "well_formed_share": sum(a.is_valid and a.well_formed for a in actions) / max(1, len(actions)),
+            "answered_share": sum(t["metrics"]["answered"] for t in episodes) / n,
+            "mean_searches": sum(t["metrics"]["retrieval_turns"] for t in episodes) / n, "model_turns": len(actions),
             "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -503,12 +467,17 @@ def evaluate_policy(policy, questions, retriever, dialect: str, *, corpus=None, 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from raggym.protocol import DIALECTS as REGISTERED_DIALECTS
+
     p = argparse.ArgumentParser(prog="python -m experiments.sft", description=(
         "SFT cold start on golden trajectories of the synthetic world: builds the world and its index, plays "
         "golden episodes through the real environment, fine-tunes the policy on the model tokens and writes "
         "OUT/policy (HF dir, safetensors), OUT/sft_metrics.jsonl and OUT/sft_summary.json."))
     p.add_argument("--policy", default="smollm2-135m", help="model spec for raggym.models.load_policy")
-    p.add_argument("--dialect", default="routerag", choices=DIALECTS)
+    # The live registry dict, not a copy: argparse checks membership when it parses, so a dialect
+    # added with raggym.protocol.register_dialect after this parser was built is accepted too.
+    p.add_argument("--dialect", default="routerag", choices=REGISTERED_DIALECTS,
+                   help="a registered dialect name (the six built-ins or one added with register_dialect)")
     p.add_argument("--synthetic-seed", type=int, default=0, help="seed of the synthetic world")
     p.add_argument("--entities", type=int, default=300, help="entities in the synthetic world")
     p.add_argument("--max-hops", type=int, default=2, help="longest bridge chain asked (1..4)")
@@ -574,9 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                                 top_k=args.top_k, max_observation_tokens=args.max_observation_tokens,
                                 num_threads=args.threads)
         summary["eval"] = {"before": before, "after": after}
-    from raggym.data.loaders import atomic_write
+    from raggym.atomic import atomic_write_json
 
-    atomic_write(Path(args.out) / "sft_summary.json", lambda fh: json.dump(summary, fh, indent=2))
+    atomic_write_json(Path(args.out) / "sft_summary.json", summary)
     if args.json:
         print(json.dumps(summary))
         return 0

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from raggym.atomic import atomic_directory
+from raggym.config_util import dataclass_from_mapping
 
 DEFAULT_POLICY = "smollm2-135m"
 DEFAULT_EMBEDDER = "minilm"
@@ -135,21 +136,6 @@ def resolve_model_spec(spec: str) -> ResolvedModel:
     return ResolvedModel(spec, spec, source="hub")
 
 
-def _atomic_save_dir(build, final: Path) -> None:
-    """Write a directory via a temp sibling and rename, so a crash never leaves half a cache."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
-    try:
-        build(tmp)
-        if final.exists():  # another process won the race; keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def converted_checkpoint(resolved: ResolvedModel) -> Path | None:
     """Path of the safetensors copy of a GGUF model, creating it on first use."""
     if resolved.gguf_file is None:
@@ -180,7 +166,9 @@ def converted_checkpoint(resolved: ResolvedModel) -> Path | None:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
-    _atomic_save_dir(build, target)
+    # keep_existing: when two processes convert at once, the first complete copy stays.
+    with atomic_directory(target, keep_existing=True) as tmp:
+        build(tmp)
     return target
 
 
@@ -210,6 +198,56 @@ def load_policy_tokenizer(spec: str = DEFAULT_POLICY):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+
+@dataclass
+class LoraSettings:
+    """peft LoRA settings (GraphRAG-R1 uses r = 16, alpha = 32), shared by the RL learner and SFT."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self):
+        if isinstance(self.target_modules, str):  # a bare string would be split into letters
+            raise ValueError(f"LoRA target_modules must be a list of module names, got the string {self.target_modules!r}")
+        self.target_modules = tuple(self.target_modules)
+        if int(self.r) < 1:
+            raise ValueError(f"LoRA r must be at least 1, got {self.r}")
+        if not float(self.alpha) > 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"LoRA dropout must lie in [0, 1), got {self.dropout}")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ValueError(f"LoRA target_modules must be non-empty module names, got {list(self.target_modules)}")
+
+
+def lora_settings(mapping: Mapping[str, Any] | LoraSettings | None) -> LoraSettings | None:
+    """Validated ``LoraSettings`` from a mapping of ``r``, ``alpha``, ``dropout``, ``target_modules``
+    (missing keys take the defaults; an unknown key is a ``ValueError`` naming it). ``None`` (no
+    LoRA: full fine-tuning) stays ``None``."""
+    if mapping is None:
+        return None
+    return dataclass_from_mapping(LoraSettings, mapping, "LoRA")
+
+
+def apply_lora(model, lora: Mapping[str, Any] | LoraSettings):
+    """Wrap a causal LM in trainable peft LoRA adapters; only the adapters require grad.
+
+    The caller decides what happens to the adapters at export (``merge_and_unload`` for a plain
+    HF directory, as SFT does; the learner merges them on the fly for weight sync)."""
+    settings = lora_settings(lora)
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ImportError("LoRA needs the 'peft' package (`pip install peft`); it is not installed") from exc
+    config = LoraConfig(r=int(settings.r), lora_alpha=settings.alpha, lora_dropout=float(settings.dropout),
+                        target_modules=list(settings.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 class Embedder:
@@ -291,13 +329,16 @@ __all__ = [
     "DEFAULT_EMBEDDER",
     "DEFAULT_POLICY",
     "Embedder",
+    "LoraSettings",
     "ModelSpecError",
     "ResolvedModel",
+    "apply_lora",
     "cache_dir",
     "converted_checkpoint",
     "describe",
     "load_embedder",
     "load_policy",
     "load_policy_tokenizer",
+    "lora_settings",
     "resolve_model_spec",
 ]

@@ -1,6 +1,6 @@
-"""Token-level trajectories for multi-turn RL: exact ids, loss mask, logprobs, span labels.
+"""Token-level rollouts for multi-turn RL: exact ids, loss mask, sampled logprobs, span labels.
 
-A trajectory is built turn by turn, token-in-token-out:
+A rollout is built turn by turn, token-in-token-out:
 
 - the prompt's ids come from the chat template once (``add_prompt``);
 - each model turn appends the *exact* ids the engine sampled, with their logprobs
@@ -49,22 +49,42 @@ def token_char_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[tuple[i
 
 
 @dataclass
-class Trajectory:
-    """One episode as the learner sees it (all lists have the same length except ``turns``)."""
+class Rollout:
+    """One sampled sequence, the record that flows unchanged from the rollout loop to the learner.
+
+    Token arrays (all of one length): ``token_ids`` (the prompt, then the exact sampled ids and the
+    observation ids), ``loss_mask`` (1 on sampled tokens), ``sampled_logprobs`` (the engine's
+    log-probabilities of the sampled tokens, 0 elsewhere; the learner logs how far its own
+    recomputation drifts from them) and ``span_labels`` (``SpanLabel`` per token).
+
+    Grouping: ``group_key = (prompt_id, step_index)``. ``prompt_id`` names one draw of a question
+    in one step (its G samples share it); ``step_index`` is 0 except for Step-GRPO's teacher-forced
+    steps, where it is the step's position in the golden trajectory.
+
+    ``outcome`` is the ``EpisodeOutcome`` every reward reads; ``episode`` is the environment's
+    record as a plain dict (kept for trajectory dumps and evaluation tables); ``turns`` holds per
+    model turn its ids, text, finish reason, logprobs and the policy weight version that sampled it.
+    """
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    rollout_logprobs: list[float] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
     span_labels: list[int] = field(default_factory=list)
     prompt_length: int = 0
-    group_id: str = ""
+    prompt_id: str = ""
+    step_index: int = 0
     sample_index: int = 0
+    outcome: Any = None  # raggym.rewards.EpisodeOutcome once the episode is over
     episode: dict[str, Any] = field(default_factory=dict)
-    turns: list[dict[str, Any]] = field(default_factory=list)  # per model turn: ids, text, finish, version
+    turns: list[dict[str, Any]] = field(default_factory=list)
     truncated_by_length: bool = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def group_key(self) -> tuple[str, int]:
+        return (self.prompt_id, self.step_index)
 
     @property
     def response_length(self) -> int:
@@ -76,8 +96,8 @@ class Trajectory:
 
     def check(self) -> None:
         n = len(self.token_ids)
-        if not (len(self.loss_mask) == len(self.rollout_logprobs) == len(self.span_labels) == n):
-            raise ValueError("trajectory arrays differ in length")
+        if not (len(self.loss_mask) == len(self.sampled_logprobs) == len(self.span_labels) == n):
+            raise ValueError("rollout arrays differ in length")
 
     def model_token_spans(self) -> list[list[int]]:
         """The ids of each model turn, recovered from the flat arrays via the mask."""
@@ -93,41 +113,54 @@ class Trajectory:
         return spans
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (trajectory dumps, evaluation files)."""
         return {
             "token_ids": list(self.token_ids),
             "loss_mask": list(self.loss_mask),
-            "rollout_logprobs": list(self.rollout_logprobs),
+            "sampled_logprobs": list(self.sampled_logprobs),
             "span_labels": list(self.span_labels),
             "prompt_length": self.prompt_length,
-            "group_id": self.group_id,
+            "prompt_id": self.prompt_id,
+            "step_index": self.step_index,
             "sample_index": self.sample_index,
+            "outcome": None if self.outcome is None else self.outcome.as_dict(),
             "episode": self.episode,
             "turns": self.turns,
             "truncated_by_length": self.truncated_by_length,
         }
 
 
-class TrajectoryBuilder:
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the chat template renders a single user message, ready for generation."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    else:
+        text = prompt
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class RolloutBuilder:
     """Accumulates one episode's tokens; see the module docstring for the rules."""
 
-    def __init__(self, tokenizer, dialect: str, group_id: str = "", sample_index: int = 0,
-                 max_response_tokens: int = 512, max_observation_tokens: int = 512):
+    def __init__(self, tokenizer, dialect: str, prompt_id: str = "", sample_index: int = 0,
+                 max_response_tokens: int = 512, max_observation_tokens: int = 512, step_index: int = 0):
         self.tokenizer = tokenizer
         self.dialect = dialect
         self.max_response_tokens = int(max_response_tokens)
         self.max_observation_tokens = int(max_observation_tokens)
-        self.traj = Trajectory(group_id=group_id, sample_index=sample_index)
+        self.rollout = Rollout(prompt_id=prompt_id, step_index=step_index, sample_index=sample_index)
 
     @property
     def response_budget_left(self) -> int:
-        return self.max_response_tokens - self.traj.response_length
+        return self.max_response_tokens - self.rollout.response_length
 
     def add_prompt(self, prompt_ids: Sequence[int]) -> None:
-        if self.traj.token_ids:
+        if self.rollout.token_ids:
             raise RuntimeError("the prompt must come first")
         ids = [int(t) for t in prompt_ids]
         self._extend(ids, 0, [0.0] * len(ids), [int(SpanLabel.PROMPT)] * len(ids))
-        self.traj.prompt_length = len(ids)
+        self.rollout.prompt_length = len(ids)
 
     def add_model_turn(self, ids: Sequence[int], logprobs: Sequence[float], *, finish_reason: str = "stop",
                        weight_version: int = 0) -> str:
@@ -140,7 +173,7 @@ class TrajectoryBuilder:
         text, offsets = token_char_offsets(self.tokenizer, ids)
         labels = label_tokens(label_characters(text, self.dialect), offsets) if ids else np.zeros(0, dtype=np.int64)
         self._extend(ids, 1, [float(x) for x in logprobs], [int(x) for x in labels])
-        self.traj.turns.append({"token_ids": ids, "text": text, "finish_reason": finish_reason,
+        self.rollout.turns.append({"token_ids": ids, "text": text, "finish_reason": finish_reason,
                                 "weight_version": int(weight_version), "logprobs": [float(x) for x in logprobs]})
         return text
 
@@ -151,13 +184,14 @@ class TrajectoryBuilder:
         return list(ids)
 
     def _extend(self, ids, mask, logprobs, labels):
-        t = self.traj
+        t = self.rollout
         t.token_ids.extend(ids)
         t.loss_mask.extend([mask] * len(ids))
-        t.rollout_logprobs.extend(logprobs)
+        t.sampled_logprobs.extend(logprobs)
         t.span_labels.extend(labels)
 
-    def finish(self, episode: dict[str, Any]) -> Trajectory:
-        self.traj.episode = episode
-        self.traj.check()
-        return self.traj
+    def finish(self, episode: dict[str, Any], outcome: Any = None) -> Rollout:
+        self.rollout.episode = episode
+        self.rollout.outcome = outcome
+        self.rollout.check()
+        return self.rollout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.train import ConfigError, load_config
+from experiments.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
 METHODS = ("routerag", "pathrouter", "lws", "graphrag_r1", "r1_router", "search_r1")
@@ -151,9 +151,10 @@ def test_tiny_config_trains_one_step(method, tmp_path, shared_index):
     assert set(after) == set(before)
     if rec["learner/grad_norm"] > 0 and method != "graphrag_r1":
         assert any(not (after[k] == before[k]).all() for k in after), "a non-zero gradient step must change the policy"
-    if method == "r1_router":
-        assert {ln["phase"] for ln in lines} <= {"route", "answer", "final"}
-        assert rec["sampling/model_calls"] == len(lines)
+    if method == "r1_router":  # one teacher-forced step per rollout, scored by its step reward
+        assert all(len(ln["outcome"]["steps"]) == 1 for ln in lines)
+        assert {ln["outcome"]["steps"][0]["phase"] for ln in lines} == {"route", "answer", "final"}
+        assert rec["train_sequences"] == len(lines)
     else:
         # the stage's reward function produced the logged rewards
         from raggym.rewards import EpisodeOutcome
@@ -163,7 +164,7 @@ def test_tiny_config_trains_one_step(method, tmp_path, shared_index):
         reward.pop("embedder", None)
         embed = None
         if method == "lws":
-            from experiments.train import make_embed
+            from experiments.training import make_embed
 
             embed = make_embed("minilm")
         sched = reward_schedule_from_config(reward, embed=embed)

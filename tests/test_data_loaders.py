@@ -165,6 +165,68 @@ def test_hotpot_and_2wiki_and_musique_records(tmp_path, tiny_corpus):
     assert mq.answers == ("Beta", "the Beta") and mq.gold_passage_ids == (tiny_corpus[1].id,) and mq.hops == 2
 
 
+def musique_record(decomposition) -> dict:
+    return {"id": "2hop_d", "question": "Which river flows past the town by the river?", "answer": "Beta",
+            "paragraphs": [{"idx": 0, "title": "Gamma", "paragraph_text": "Gamma is a mountain.", "is_supporting": False},
+                           {"idx": 1, "title": "Alpha", "paragraph_text": "Alpha is a town. It lies by a river.", "is_supporting": True},
+                           {"idx": 2, "title": "Beta", "paragraph_text": "Beta is a river.", "is_supporting": True}],
+            "question_decomposition": decomposition}
+
+
+def test_musique_decomposition_becomes_the_golden_trajectory(tmp_path, tiny_corpus):
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps([musique_record([
+        {"id": 11, "question": "Alpha >> lies by", "answer": " a river ", "paragraph_support_idx": 1},
+        {"id": 12, "question": "Which river is #1 ?", "answer": "Beta", "paragraph_support_idx": 2},
+        {"id": 13, "question": "Is #2 longer than #1?", "answer": "yes", "paragraph_support_idx": None},
+    ])]))
+    (q,) = load_questions(f, tiny_corpus)
+    assert q.hops == 3 and q.golden_trajectory == (
+        {"query": "Alpha >> lies by", "mode": "passage", "kb": "text", "answer": "a river", "passage_ids": [tiny_corpus[0].id]},
+        {"query": "Which river is a river?", "mode": "passage", "kb": "text", "answer": "Beta", "passage_ids": [tiny_corpus[1].id]},
+        {"query": "Is Beta longer than a river?", "mode": "passage", "kb": "text", "answer": "yes", "passage_ids": []},
+    )
+    # The same keys as the synthetic world's golden steps, plus the supporting passages.
+    from raggym.data.synthetic import generate_world
+
+    synthetic = generate_world(seed=3, n_entities=60, n_questions=4).questions[0].golden_trajectory[0]
+    assert set(q.golden_trajectory[0]) == set(synthetic) | {"passage_ids"}
+    assert Question.from_dict(q.as_dict()) == q
+
+
+@pytest.mark.parametrize(
+    "decomposition, field, reason",
+    [
+        ([{"question": "Which river is #2?", "answer": "Beta"}], "question_decomposition[0].question", "#2 refers to no earlier"),
+        ([{"question": "Alpha >> lies by", "answer": ""}], "question_decomposition[0].answer", "missing or empty"),
+        ([{"question": "Alpha >> lies by", "answer": "x", "paragraph_support_idx": 9}],
+         "question_decomposition[0].paragraph_support_idx", "no paragraph 9"),
+        ("one step", "question_decomposition", "expected a list"),
+    ],
+)
+def test_malformed_musique_decomposition_is_reported(tmp_path, tiny_corpus, decomposition, field, reason):
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps([musique_record(decomposition)]))
+    with pytest.raises(DataFormatError) as exc:
+        load_questions(f, tiny_corpus)
+    assert exc.value.field == field and reason in str(exc.value)
+
+
+def test_real_musique_golden_trajectories(musique_dir):
+    corpus = load_corpus(musique_dir / "corpus.json")
+    questions = load_questions(musique_dir / "questions.json", corpus)
+    for q in questions:
+        assert len(q.golden_trajectory) == q.hops
+        for step in q.golden_trajectory:
+            assert "#" not in step["query"] and step["answer"] and step["kb"] == "text"
+            assert len(step["passage_ids"]) == 1 and step["passage_ids"][0] in q.gold_passage_ids
+        assert q.golden_trajectory[-1]["answer"] in q.answers  # the last sub-answer is the answer
+    first = questions[0].golden_trajectory
+    assert [s["query"] for s in first] == ["What company published Journal of Psychotherapy Integration?",
+                                           "Who was the first president of American Psychological Association?"]
+    assert [corpus.by_id(s["passage_ids"][0]).title for s in first] == ["Journal of Psychotherapy Integration", "Adolescence"]
+
+
 def test_searchr1_parquet(tmp_path, tiny_corpus):
     rows = [
         {"data_source": "hotpotqa", "prompt": [{"role": "user", "content": "Where is Alpha?"}],

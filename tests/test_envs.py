@@ -349,6 +349,67 @@ def test_step_batch_mixes_retrievers_and_checks_misuse_before_stepping():
         step_batch([env_a, env_b], [SEARCH_GRAPH])
 
 
+# Per-call timings differ between two runs of the same episode; everything else must not.
+TIMING_KEYS = ("retrieval_seconds", "total_retrieval_seconds")
+
+
+def without_timings(info: dict) -> dict:
+    return {k: v for k, v in info.items() if k not in TIMING_KEYS and k != "episode"}
+
+
+def test_step_equals_the_two_phases_of_the_protocol():
+    segments = [SEARCH_GRAPH, "junk", SEARCH_PASSAGE, ANSWER_LONDON]
+    stepped, phased = make_env(), make_env()
+    assert stepped.context_mode == "append"
+    stepped.reset(seed=0, options={"question": NOLAN})
+    phased.reset(seed=0, options={"question": NOLAN})
+    for segment in segments:
+        expected = stepped.step(segment)
+        phased.check_step_call(segment)
+        outcome = phased.begin_step(segment)
+        if isinstance(outcome, envs.RetrievalRequest):
+            assert len(phased.record.turns) == len(stepped.record.turns) - 1  # the request changed nothing
+            [result] = phased.retriever.retrieve([outcome.query], outcome.mode, outcome.k)
+            outcome = phased.finish_step(outcome, result)
+        assert tuple(outcome[:4]) == tuple(expected[:4])
+        assert without_timings(outcome.info) == without_timings(expected[4])
+    assert phased.record.as_dict()["turns"][0]["query"] == stepped.record.as_dict()["turns"][0]["query"]
+    assert phased.record.reward == stepped.record.reward == 1.0
+
+
+def test_truncate_ends_the_episode_and_computes_the_reward_once():
+    calls = []
+
+    def reward(record):
+        calls.append(record.truncation_reason)
+        return -0.25
+
+    env = make_env(reward_fn=reward)
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.truncate("response_tokens")
+    env.reset(options={"question": NOLAN})
+    env.step(SEARCH_GRAPH)
+    obs, reward_value, terminated, truncated, info = env.truncate("response_tokens")
+    assert (obs, reward_value, terminated, truncated) == ("", -0.25, False, True)
+    record = info["episode"]
+    assert record is env.record and record.truncated and record.truncation_reason == "response_tokens"
+    assert record.reward == -0.25 and calls == ["response_tokens"]
+    assert info["truncation_reason"] == "response_tokens" and info["num_retrievals"] == 1 and info["budget_left"] == 3
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.truncate("response_tokens")
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.step(ANSWER_LONDON)
+    assert calls == ["response_tokens"] and len(record.turns) == 1
+    env.reset(options={"question": NOLAN})
+    env.step(ANSWER_LONDON)
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.truncate("response_tokens")  # an answered episode keeps its reward and reason
+    assert env.record.truncation_reason is None and calls == ["response_tokens", None]
+    env.reset(options={"question": NOLAN})
+    with pytest.raises(ValueError, match="non-empty reason"):
+        env.truncate("")
+
+
 def test_a_failing_retriever_leaves_episodes_untouched_for_a_retry():
     class Flaky(KeywordRetriever):
         fail = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -191,3 +192,196 @@ def test_render_ansi():
     env.reset(options={"question": NOLAN})
     env.step(STOP)
     assert env.render().startswith("[route] ")
+
+
+# ----------------------------------------------------------------------------- batched-step protocol
+
+
+def test_context_mode_and_truncate():
+    calls = []
+    env = make_env(reward_fn=lambda record: calls.append(record.truncation_reason) or 0.5)
+    assert env.context_mode == "replace"
+    env.reset(options={"question": NOLAN})
+    env.step(route("Who directed Inception?", "Text Retriever"))
+    obs, reward, terminated, truncated, info = env.truncate("response_tokens")
+    assert (obs, reward, terminated, truncated) == ("", 0.5, False, True)
+    assert info["episode"] is env.record and env.record.truncation_reason == "response_tokens"
+    assert info["next_phase"] is None and info["num_retrievals"] == 1 and calls == ["response_tokens"]
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.truncate("response_tokens")
+    assert calls == ["response_tokens"]
+
+
+# ----------------------------------------------------------------------------- teacher forcing (Step-GRPO)
+
+GOLD_0, GOLD_1 = NOLAN.golden_trajectory
+GOLD_PHASES = [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)]
+
+
+def forced(option: dict, **kwargs):
+    """A fresh environment reset into one teacher-forced step, with its context."""
+    env = make_env(**kwargs)
+    context, info = env.reset(options=option)
+    return env, context, info
+
+
+def test_golden_step_options_list_every_step_of_the_golden_trajectory_in_order():
+    options = MultiKBRouteEnv.golden_step_options(NOLAN)
+    assert [(o["phase"], o["golden_prefix"]) for o in options] == GOLD_PHASES
+    assert [o["step_index"] for o in options] == list(range(6))
+    assert all(o["question"] is NOLAN for o in options)
+
+
+def test_teacher_forced_contexts_hold_the_golden_prefix_and_nothing_sampled():
+    # A free-running episode first, with sampled sub-questions the golden ones do not contain.
+    env = make_env()
+    env.reset(options={"question": NOLAN})
+    env.step(route("Who made Jaws?", "Table Retriever"))
+    env.step(answer("Steven Spielberg"))
+    options = MultiKBRouteEnv.golden_step_options(NOLAN)
+    route_1 = options[2]
+    context, info = env.reset(options=route_1)
+    assert info == {"question_id": "q-nolan", "phase": "route", "golden_prefix": 1, "step_index": 2}
+    assert context == env.dialect.routing_prompt(NOLAN.question, [(GOLD_0["query"], GOLD_0["answer"])])
+    assert "Sub-question 1: director of Inception\nAnswer 1: Christopher Nolan\n" in context
+    assert "Jaws" not in context and "Spielberg" not in context and "Sub-question 2" not in context
+    final = forced(options[5])[1]
+    assert final == env.dialect.final_answer_prompt(
+        NOLAN.question, [(GOLD_0["query"], GOLD_0["answer"]), (GOLD_1["query"], GOLD_1["answer"])]
+    )
+    # Every step's input is byte-identical across environments (all G samples of a group share it).
+    for option in options:
+        contexts = {forced(option)[1] for _ in range(3)}
+        assert len(contexts) == 1
+    assert len({forced(o)[1] for o in options}) == 6
+
+
+def test_teacher_forced_answer_step_sees_the_documents_of_the_golden_sub_question():
+    text, table = make_retriever(), KeywordRetriever(TABLE_PASSAGES)
+    env, context, _ = forced(MultiKBRouteEnv.golden_step_options(NOLAN)[1],
+                             knowledge_bases={"Text Retriever": text, "Table Retriever": table})
+    # Golden step 0 routes "director of Inception" to the text knowledge base.
+    assert text.calls == [(("director of Inception",), "passage", 3)] and table.calls == []
+    assert "Doc 1 (Title: Inception) Inception is a 2010 film directed by Christopher Nolan." in context
+    assert context.endswith("Question: director of Inception\n") and "Where was the director" not in context
+    assert env.record.num_retrievals == 1 and env.phase == "answer"
+    *_, terminated, truncated, info = env.step(answer("Christopher Nolan"))
+    assert terminated and not truncated and info["intermediate_answer"] == "Christopher Nolan"
+    step = info["episode"].steps[0]
+    assert step.retrieved and step.retrieved_ids[0] == make_retriever().passages[0].id
+    assert (step.sub_question, step.knowledge_base, step.context) == ("director of Inception", "Text Retriever", context)
+    data = info["episode"].as_dict()
+    assert data["queries"] == ["director of Inception"] and data["teacher_forced_phase"] == "answer"
+    assert (data["golden_prefix"], data["golden_step_index"]) == (0, 1)
+
+
+def test_teacher_forced_gold_values_come_from_the_golden_trajectory():
+    outputs = {
+        "route": route("Who directed Inception?", "Text Retriever"),
+        "answer": answer("Christopher Nolan"),
+        "final": answer("London"),
+    }
+    expected_gold = [
+        (GOLD_0["query"], "Text Retriever", GOLD_0["answer"]),
+        (GOLD_0["query"], "Text Retriever", GOLD_0["answer"]),
+        (GOLD_1["query"], "Text Retriever", GOLD_1["answer"]),
+        (GOLD_1["query"], "Text Retriever", GOLD_1["answer"]),
+        ("None", "None", None),  # route n: the gold is to stop
+        (None, None, "London"),
+    ]
+    for option, gold in zip(MultiKBRouteEnv.golden_step_options(NOLAN), expected_gold):
+        env, *_ = forced(option)
+        *_, terminated, truncated, info = env.step(outputs[option["phase"]])
+        assert terminated and not truncated and info["next_phase"] is None
+        (step,) = info["episode"].steps
+        assert (step.phase, step.route_step) == (option["phase"], option["golden_prefix"])
+        assert (step.gold_sub_question, step.gold_knowledge_base, step.gold_answer) == gold
+        with pytest.raises(RuntimeError, match="episode is over"):
+            env.step(outputs[option["phase"]])  # one model call per teacher-forced episode
+
+
+def test_teacher_forced_episode_ends_after_one_call_with_the_reward():
+    seen = []
+    reward_fn = lambda record: seen.append((record.teacher_forced_phase, record.truncation_reason)) or 1.0  # noqa: E731
+    text = make_retriever()
+    options = MultiKBRouteEnv.golden_step_options(NOLAN)
+    env, *_ = forced(options[0], reward_fn=reward_fn, knowledge_bases={"Text Retriever": text})
+    _, reward, terminated, _, info = env.step(STOP)  # stopping too early is well formed, just wrong
+    assert terminated and reward == 1.0 and info["episode"].steps[0].sub_question is None
+    assert text.calls == []  # a sampled route is not retrieved for: the next input is golden anyway
+    env.reset(options=options[2])
+    _, _, terminated, truncated, info = env.step(answer("London"))
+    assert truncated and not terminated and info["truncation_reason"] == "invalid_route" and info["format_error"]
+    assert "this is a routing step" in info["parse_error"]
+    env.reset(options=options[3])
+    *_, truncated, info = env.step("<think>no answer</think>")
+    assert truncated and info["truncation_reason"] == "invalid_intermediate_answer"
+    env.reset(options=options[5])
+    *_, truncated, info = env.step("<answer>")
+    assert truncated and info["truncation_reason"] == "invalid_final_answer"
+    assert seen == [("route", None), ("route", "invalid_route"), ("answer", "invalid_intermediate_answer"),
+                    ("final", "invalid_final_answer")]
+
+
+def test_step_batch_over_one_teacher_forced_group():
+    text = make_retriever()
+    option = MultiKBRouteEnv.golden_step_options(NOLAN)[2]
+    group = [make_env(knowledge_bases={"Text Retriever": text}) for _ in range(3)]
+    contexts = {env.reset(options=option)[0] for env in group}
+    assert len(contexts) == 1
+    results = step_batch(group, [route("Where was Christopher Nolan born?", "Text Retriever"), STOP, "garbage"])
+    assert [(r.terminated, r.truncated) for r in results] == [(True, False), (True, False), (False, True)]
+    assert text.calls == [] and [r.info["episode"].steps[0].gold_sub_question for r in results] == [GOLD_1["query"]] * 3
+
+
+def test_questions_without_usable_golden_steps_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"question 'q-france' has no golden steps"):
+        MultiKBRouteEnv.golden_step_options(FRANCE)
+    env = make_env()
+    with pytest.raises(ValueError, match="'q-france' has no golden steps"):
+        env.reset(options={"question": FRANCE, "phase": "route", "golden_prefix": 0})
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step(STOP)  # the refused reset left nothing to step
+    no_kb = dataclasses.replace(NOLAN, id="q-no-kb", kind="musique", golden_trajectory=(
+        GOLD_0, {"query": "Christopher Nolan born", "answer": "London"}))
+    with pytest.raises(ValueError, match=r"question 'q-no-kb' \(kind 'musique'\): golden step 1 has no knowledge base"):
+        MultiKBRouteEnv.golden_step_options(no_kb)
+    none_gold = dataclasses.replace(NOLAN, golden_trajectory=({**GOLD_0, "answer": None}, GOLD_1))
+    with pytest.raises(ValueError, match="golden step 0 has no answer; a None gold must never be rewarded silently"):
+        env.reset(options={"question": none_gold, "phase": "final", "golden_prefix": 2})
+    # A free-running episode of the same question still runs (evaluation needs no golden steps).
+    assert env.reset(options={"question": FRANCE})[1]["phase"] == "route"
+
+
+def test_teacher_forcing_option_errors():
+    env = make_env()
+    with pytest.raises(ValueError, match="out of range for the answer phase"):
+        env.reset(options={"question": NOLAN, "phase": "answer", "golden_prefix": 2})
+    with pytest.raises(ValueError, match="out of range for the final phase"):
+        env.reset(options={"question": NOLAN, "phase": "final", "golden_prefix": 1})
+    with pytest.raises(ValueError, match=r'options\["phase"\]'):
+        env.reset(options={"question": NOLAN, "golden_prefix": 0})
+    with pytest.raises(ValueError, match=r'options\["golden_prefix"\] must be an int'):
+        env.reset(options={"question": NOLAN, "phase": "route"})
+    text_only = make_env(knowledge_bases={"Table Retriever": KeywordRetriever(TABLE_PASSAGES)})
+    with pytest.raises(ValueError, match="routes to knowledge base 'Text Retriever', which this environment does not have"):
+        text_only.reset(options={"question": NOLAN, "phase": "route", "golden_prefix": 0})
+
+
+def test_musique_questions_get_teacher_forced_steps(musique_dir):
+    from raggym.data import load_corpus, load_questions
+
+    corpus = load_corpus(musique_dir / "corpus.json")
+    questions = load_questions(musique_dir / "questions.json", corpus)
+    env = make_env(knowledge_bases={"Text Retriever": KeywordRetriever(list(corpus)[:50])})
+    for q in questions:
+        options = MultiKBRouteEnv.golden_step_options(q)
+        assert len(options) == 2 * q.hops + 2
+    first = questions[0]
+    context, _ = env.reset(options=MultiKBRouteEnv.golden_step_options(first)[2])
+    assert "Sub-question 1: What company published Journal of Psychotherapy Integration?\n" in context
+    assert "Answer 1: American Psychological Association\n" in context
+    *_, info = env.step(route("Who was the first president of the American Psychological Association?", "Text Retriever"))
+    step = info["episode"].steps[0]
+    assert step.gold_sub_question == "Who was the first president of American Psychological Association?"
+    assert (step.gold_knowledge_base, step.gold_answer) == ("Text Retriever", "G. Stanley Hall")

@@ -283,3 +283,20 @@ def test_checkpoint_resumes_exactly_even_under_another_zero_stage(stage_runs, ba
             scale = float(step_a.abs().max())
             assert scale > 0
             torch.testing.assert_close(after_b[name] - current[name], step_a, atol=1e-3 * scale, rtol=1e-3)
+
+
+def test_lora_learner_trains_only_adapters_and_syncs_merged_weights(tiny_model, batch):
+    MODEL["path"] = tiny_model
+    with pytest.raises(ValueError, match="LoRA with ZeRO-3"):
+        Learner(config(zero_stage=3, lora={"r": 4}))
+    learner = Learner(config(zero_stage=0, micro_batch_size=4, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj"]}))
+    trainable = [n for n, p in learner.module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and "q_proj" in n for n in trainable)
+    before = snapshot(learner)
+    assert set(before) == set(WATCHED)  # merged weights come out under plain HF names
+    learner.update(batch, step=0)  # lora_B leaves zero: the merged q_proj moves
+    learner.update(batch, step=1)
+    after = snapshot(learner)
+    assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"], before["model.layers.0.self_attn.q_proj.weight"])
+    for frozen in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"):
+        assert torch.equal(after[frozen], before[frozen]), frozen

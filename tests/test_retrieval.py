@@ -238,6 +238,26 @@ def test_failed_save_keeps_the_old_index(world_retriever, saved_index, tmp_path,
     Retriever.load(target, embedder=HashingEmbedder())  # still a valid index
 
 
+def test_ensure_index_builds_once_and_refuses_another_corpus(small_world, tmp_path, capsys):
+    from raggym.data import Corpus
+    from raggym.retrieval import ensure_index
+
+    target = tmp_path / "runs" / "index"
+    options = dict(embedder=HashingEmbedder(), cache=False, show_progress=False)
+    assert ensure_index(target, small_world.corpus, openie=small_world.openie, **options) == target
+    assert "building the dense + knowledge graph index" in capsys.readouterr().err
+    manifest = target / "manifest.json"
+    stamp = manifest.stat().st_mtime_ns
+    loaded = Retriever.load(target, embedder=HashingEmbedder())
+    assert loaded.graph is not None and len(loaded.corpus) == len(small_world.corpus)
+    assert ensure_index(target, small_world.corpus, openie=small_world.openie, **options) == target
+    assert capsys.readouterr().err == "" and manifest.stat().st_mtime_ns == stamp  # not rebuilt
+    other = Corpus(list(small_world.corpus)[:-1])
+    with pytest.raises(IndexFormatError, match="built from a different corpus"):
+        ensure_index(target, other, **options)
+    assert [p.name for p in target.parent.iterdir()] == ["index"]  # no temporary left by the build
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 

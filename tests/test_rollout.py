@@ -3,10 +3,10 @@
 import pytest
 
 from actors.engines.base import SamplingParams
-from actors.rollout import LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids
+from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
 from envs import RagSearchEnv
 from raggym.algorithms.spans import SpanLabel
-from raggym.trajectory import TrajectoryBuilder, token_char_offsets
+from raggym.trajectory import RolloutBuilder, chat_prompt_ids, token_char_offsets
 
 
 class ScriptedEngine:
@@ -45,7 +45,7 @@ def test_scripted_episode_masks_spans_and_exact_ids(hf_engine, small_world, smal
                 f"<think>found it</think><answer>{q.answer}</answer>"]
     engine = ScriptedEngine(tok, segments)
     env = RagSearchEnv(small_world_retriever, [q], dialect="routerag")
-    traj, = MultiTurnRollout(LocalBackend(engine), tok, config=RolloutConfig(waves=1)).run([env], [q], ["g0"])
+    traj, = MultiTurnRollout(LocalBackend(engine), tok, config=RolloutConfig(waves=1)).run([env], [EpisodeRequest(q, "g0")])
     # the exact generated ids come back, turn by turn, via the mask
     expected = [tok(s, add_special_tokens=False)["input_ids"] for s in segments]
     assert traj.model_token_spans() == expected
@@ -68,6 +68,7 @@ def test_scripted_episode_masks_spans_and_exact_ids(hf_engine, small_world, smal
     assert {SpanLabel.THINK, SpanLabel.QUERY, SpanLabel.ANSWER} <= set(labels)
     ep = traj.episode
     assert ep["answer"] == q.answer and ep["num_retrievals"] == 1
+    assert traj.group_key == ("g0", 0) and traj.outcome.answer == q.answer and traj.outcome.em == 1.0
     assert ep["turns"][0]["retrieved_ids"] == small_world_retriever.retrieve([q.golden_trajectory[0]["query"]], "graph", 3)[0].ids
 
 
@@ -85,7 +86,7 @@ def test_real_sampling_rollout_keeps_engine_output(hf_engine, small_world, small
         assert all(len(t["token_ids"]) <= 16 for t in traj.turns)
         # the rollout logprobs of model tokens are the engine's, and 0 elsewhere
         flat = [lp for t in traj.turns for lp in t["logprobs"]]
-        assert [lp for lp, m in zip(traj.rollout_logprobs, traj.loss_mask) if m] == flat
+        assert [lp for lp, m in zip(traj.sampled_logprobs, traj.loss_mask) if m] == flat
         assert all(lp <= 0 for lp in flat)
         assert traj.episode["terminated"] or traj.episode["truncated"]
         obs_tokens = sum(1 for lab in traj.span_labels if lab == SpanLabel.OBSERVATION)
@@ -93,7 +94,7 @@ def test_real_sampling_rollout_keeps_engine_output(hf_engine, small_world, small
 
 
 def test_builder_rejects_overlong_turns(hf_engine):
-    b = TrajectoryBuilder(hf_engine.tokenizer, "routerag", max_response_tokens=3)
+    b = RolloutBuilder(hf_engine.tokenizer, "routerag", max_response_tokens=3)
     b.add_prompt([1, 2])
     with pytest.raises(ValueError, match="response budget"):
         b.add_model_turn([5, 6, 7, 8], [0.0] * 4)

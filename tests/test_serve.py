@@ -13,6 +13,7 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -59,7 +60,7 @@ def server(index):
     settings_ = {"checkpoint": "smollm2-135m", "index": index[0], "max_turn_tokens": TURN_TOKENS,
                  "default_max_turns": 2, "max_turns_limit": 3, "max_question_chars": 2000,
                  "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "engine_threads": 1,
-                 "policy_cpus": 1, "retrieval_cpus": 0.5, "ingress_cpus": 0.5}
+                 "policy_cpus": 1, "retrieval_cpus": 0.5, "ingress_cpus": 0.5, "status_endpoint": True}
     try:
         url = start(settings_, host="127.0.0.1", port=port, route_prefix="/agent")
         yield url, settings_
@@ -196,9 +197,9 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, world):
             assert headers["allow"] in ("GET", "POST")
     status, out, _ = _post(f"{url}/v1/answer", {"question": world.questions[2].question, "max_turns": 1})
     assert status == 200 and len(out["turns"]) == 1
-    status, health, _ = _request(f"{url}/healthz")
-    assert status == 200 and health["status"] == "ok"
-    assert health["requests"]["refused"] >= len(BAD_REQUESTS)
+    assert _request(f"{url}/healthz")[:2] == (200, {"status": "ok"})
+    status, details, _ = _request(f"{url}/v1/status")
+    assert status == 200 and details["requests"]["refused"] >= len(BAD_REQUESTS)
 
 
 def test_concurrent_burst_is_batched(server, world):
@@ -216,11 +217,42 @@ def test_concurrent_burst_is_batched(server, world):
     results = asyncio.run(burst())
     assert [s for s, _ in results] == [200] * 8
     assert all(len(out["turns"]) == 1 for _, out in results)
-    status, health, _ = _request(f"{url}/healthz")
-    batching = health["engine"]["batching"]
+    status, details, _ = _request(f"{url}/v1/status")
+    batching = details["engine"]["batching"]
     assert batching["max_batch_size"] > 1, batching
     assert batching["batches"] < batching["calls"]
-    assert health["engine"]["max_batch_size"] == 8 and health["engine"]["batch_wait_timeout_s"] == 0.05
+    assert details["engine"]["max_batch_size"] == 8 and details["engine"]["batch_wait_timeout_s"] == 0.05
+
+
+def test_status_endpoint_shows_the_index_and_healthz_only_liveness(server, index):
+    url, _ = server
+    status, details, _ = _request(f"{url}/v1/status")
+    assert status == 200 and details["retrieval"]["index"] == str(Path(index[0]).resolve())
+    assert details["model"] == "smollm2-135m" and details["modes"] == ["passage", "graph", "hybrid"]
+    status, body, _ = _request(f"{url}/healthz")
+    assert status == 200 and body == {"status": "ok"}
+
+
+def test_a_deployment_the_cluster_cannot_hold_fails_before_deploying(server):
+    import time
+
+    from ray import serve
+
+    from experiments.serve import ResourcesUnavailable, start
+
+    _, settings_ = server
+    t = time.perf_counter()
+    with pytest.raises(ResourcesUnavailable) as e:
+        start({**settings_, "policy_cpus": 3}, port=_free_port(), name="too-big", cluster="the test cluster")
+    # the running app reserves 2 of the 4 CPUs, so 2 are free for the new one
+    assert str(e.value).startswith("deployment PolicyServer needs 3 CPU (3 per replica x 1), but the test cluster has "
+                                   "2 CPU free. The app needs 4 CPU in all: PolicyServer (3 CPU per replica x 1), ")
+    assert "--num-cpus" in str(e.value)
+    with pytest.raises(ResourcesUnavailable, match=r"PolicyServer needs 64 CPU per replica, but no node of the test "
+                                                   r"cluster has that much \(the largest has 4\)"):
+        start({**settings_, "policy_cpus": 64}, port=_free_port(), name="too-big", cluster="the test cluster")
+    assert time.perf_counter() - t < 30
+    assert "too-big" not in serve.status().applications
 
 
 # ----------------------------------------------------------------------------- without Ray
@@ -269,6 +301,45 @@ def test_graphless_index_serves_passage_only(world, tmp_path):
     assert isinstance(app({"index": str(path), "max_batch_size": "4", "top_k": "2"}), Application)
     with pytest.raises(ValueError, match="unknown serve argument"):
         app({"index": str(path), "batch": "4"})
+
+
+def test_healthz_is_liveness_and_status_is_off_by_default():
+    details = {"retrieval": {"index": "/srv/data/index"}}
+    api = HttpApi(None, ServeSettings(), ("passage",), status_fn=lambda: details)
+    assert api.handle("GET", "/healthz", None, b"") == (200, {"status": "ok"}, {})
+    status, body, _ = api.handle("GET", "/v1/status", None, b"")
+    assert status == 404 and body["error"]["code"] == "unknown_endpoint"
+    assert "GET /v1/status" not in body["error"]["message"]  # not listed among the available endpoints
+    on = HttpApi(None, ServeSettings(status_endpoint=True), ("passage",), status_fn=lambda: details)
+    status, body, _ = on.handle("GET", "/v1/status", None, b"")
+    assert status == 200 and body["retrieval"] == details["retrieval"] and body["requests"] == {"served": 0, "refused": 0}
+    assert on.handle("GET", "/healthz", None, b"")[1] == {"status": "ok"}
+    assert ServeSettings.from_dict({"status_endpoint": "true"}).status_endpoint is True
+
+
+def test_resource_needs_of_the_app_and_the_fit_check(index):
+    from experiments.serve import (
+        DeploymentNeed, ResourcesUnavailable, build_app, check_resources, deployment_needs, total_need)
+
+    needs = deployment_needs(build_app({"index": index[0]}))
+    assert [(n.deployment, n.replicas, n.per_replica) for n in needs] == [
+        ("PolicyServer", 1, {"CPU": 1.0, "GPU": 0.0}), ("RetrievalServer", 1, {"CPU": 1.0, "GPU": 0.0}),
+        ("AgentServer", 1, {"CPU": 0.5, "GPU": 0.0})]
+    assert total_need(needs) == {"CPU": 2.5, "GPU": 0.0}  # what raggym serve's private Ray is sized for
+    check_resources(needs, {"CPU": 2.5}, {"CPU": 2.5})
+    with pytest.raises(ResourcesUnavailable) as e:
+        check_resources(needs, {"CPU": 2.0}, {"CPU": 2.0}, "the private Ray (2 CPUs)")
+    assert str(e.value).startswith(
+        "deployment AgentServer needs 0.5 CPU (0.5 per replica x 1), but the private Ray (2 CPUs) has 2 CPU free, "
+        "and PolicyServer (1 CPU per replica x 1), RetrievalServer (1 CPU per replica x 1) take 2 of it. "
+        "The app needs 2.5 CPU in all")
+    vllm = deployment_needs(build_app({"index": index[0], "engine": "vllm"}))
+    with pytest.raises(ResourcesUnavailable, match="deployment PolicyServer needs 1 GPU per replica, but no node of "
+                                                   r"the Ray cluster has that much \(the largest has 0\)"):
+        check_resources(vllm, {"CPU": 16.0}, {"CPU": 16.0})
+    two = [DeploymentNeed("Wide", 2, {"CPU": 2.0})]
+    with pytest.raises(ResourcesUnavailable, match=r"Wide needs 4 CPU \(2 per replica x 2\), but .* has 3 CPU free\. "):
+        check_resources(two, {"CPU": 3.0}, {"CPU": 2.0})
 
 
 def test_cli_refuses_bad_inputs_before_starting(tmp_path, capsys):

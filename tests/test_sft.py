@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.sft import DIALECTS, golden_examples, masked_cross_entropy, run_sft
+from experiments.sft import build_parser, golden_examples, masked_cross_entropy, run_sft
+from raggym.protocol import DIALECT_NAMES as DIALECTS
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def _pick(world, kind, hops=None):
 
 
 def test_loss_mask_covers_exactly_the_model_segments(small_world, small_world_retriever, tokenizer):
-    from actors.rollout import chat_prompt_ids
+    from raggym.trajectory import chat_prompt_ids
     from envs import RagSearchEnv
 
     q = _pick(small_world, "bridge", 2)
@@ -219,3 +220,24 @@ def test_bad_inputs_raise_clear_errors(small_world, small_world_retriever, token
     with pytest.raises(ValueError, match="lr must be a positive"):
         run_sft("smollm2-135m", [{"token_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path, lr=0)
     assert not (tmp_path / "policy").exists()
+
+
+def test_cli_dialect_choices_follow_the_registry(capsys):
+    from raggym.protocol import RouteRAGDialect, register_dialect, unregister_dialect
+
+    class ProbeDialect(RouteRAGDialect):
+        name = "sft_cli_probe"
+
+    parser = build_parser()  # built before the registration: it must still see the new name
+    args = ["--dialect", "sft_cli_probe", "--out", "unused"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(args)
+    assert "invalid choice: 'sft_cli_probe'" in capsys.readouterr().err
+    register_dialect(ProbeDialect)
+    try:
+        assert parser.parse_args(args).dialect == "sft_cli_probe"
+        assert "sft_cli_probe" in parser.format_help()
+    finally:
+        unregister_dialect("sft_cli_probe")
+    with pytest.raises(SystemExit):
+        parser.parse_args(args)

@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.train import PromptSampler, load_config
+from experiments.config import load_config
+from raggym.data.sampler import PromptSampler
 
 
 def test_yaml_and_overrides_merge_over_defaults(tmp_path):

@@ -24,6 +24,8 @@ from typing import Iterable, Literal, Mapping, Protocol, Sequence, runtime_check
 
 import torch
 
+from raggym.seeding import derive_seed  # noqa: F401  (engines seed prompt i of a call from it)
+
 FinishReason = Literal["stop", "length", "eos"]
 LogprobsMode = Literal["processed", "raw"]
 
@@ -55,14 +57,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """Seed of prompt ``index`` in a call seeded with ``seed`` (a fixed 63-bit mix of the two)."""
-    x = (int(seed) * 0x9E3779B97F4A7C15 + int(index) * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
-    x ^= x >> 31
-    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return x >> 1
 
 
 @dataclass

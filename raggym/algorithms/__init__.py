@@ -5,13 +5,17 @@ equation each function implements.
 """
 
 from raggym.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
     PATHROUTER_ROUTE_WEIGHTS,
+    AdvantageOutput,
     DynamicSamplingResult,
     Route,
     broadcast_to_tokens,
     dynamic_sampling_filter,
+    get_advantage_estimator,
     group_index,
     grpo_advantages,
+    register_advantage_estimator,
     route_conditioned_advantages,
     route_from_flags,
     step_grpo_advantages,
@@ -52,6 +56,10 @@ from raggym.algorithms.spans import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageOutput",
+    "get_advantage_estimator",
+    "register_advantage_estimator",
     "PATHROUTER_ROUTE_WEIGHTS",
     "DynamicSamplingResult",
     "Route",

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -217,3 +217,83 @@ def dynamic_sampling_filter(rewards: torch.Tensor, group_ids: GroupIds) -> Dynam
         dropped_groups=dropped_groups,
         dropped_samples=int(uniform.sum().item()),
     )
+
+
+# ----------------------------------------------------------------------------- registry
+#
+# The trainer picks an estimator by name (``advantage.estimator`` in a config). Every estimator
+# takes the batch's scalar rewards, one group key per rollout — ``(prompt id, step index)``; the
+# step index is 0 except for Step-GRPO's teacher-forced steps — and the episode outcomes, plus
+# the options of the config's ``advantage`` section, and returns an ``AdvantageOutput``. A new
+# estimator is one decorated function:
+#
+#     @register_advantage_estimator("my_estimator")
+#     def my_estimator(rewards, group_keys, outcomes, **options) -> AdvantageOutput: ...
+
+
+@dataclass(frozen=True)
+class AdvantageOutput:
+    """Sequence advantages ``[batch]`` and, for route-conditioned estimators, each route."""
+
+    advantages: torch.Tensor
+    routes: torch.Tensor | None = None
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., AdvantageOutput]] = {}
+_GRPO_OPTIONS = ("eps", "normalize_by_std", "unbiased_std")
+
+
+def register_advantage_estimator(name: str, *, replace: bool = False):
+    """Decorator: make ``fn(rewards, group_keys, outcomes, **options)`` usable as ``name``."""
+
+    def decorate(fn: Callable[..., AdvantageOutput]) -> Callable[..., AdvantageOutput]:
+        if name in ADVANTAGE_ESTIMATORS and not replace:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return decorate
+
+
+def get_advantage_estimator(name: str) -> Callable[..., AdvantageOutput]:
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def _grpo_options(options) -> dict:
+    return {k: options[k] for k in _GRPO_OPTIONS if k in options}
+
+
+@register_advantage_estimator("grpo")
+def grpo_estimator(rewards: torch.Tensor, group_keys: Sequence[Hashable], outcomes=(), **options) -> AdvantageOutput:
+    """GRPO / Dr.GRPO over groups of identical group keys."""
+    return AdvantageOutput(grpo_advantages(rewards, list(group_keys), **_grpo_options(options)))
+
+
+@register_advantage_estimator("step_grpo")
+def step_grpo_estimator(rewards: torch.Tensor, group_keys: Sequence[Hashable], outcomes=(), **options) -> AdvantageOutput:
+    """Step-GRPO: the group key already is ``(prompt id, step index)``; one group per step."""
+    keys = list(group_keys)
+    if any(not (isinstance(k, tuple) and len(k) == 2) for k in keys):
+        raise ValueError("step_grpo needs (prompt id, step index) group keys")
+    return AdvantageOutput(step_grpo_advantages(rewards, [k[0] for k in keys], [k[1] for k in keys],
+                                                **_grpo_options(options)))
+
+
+@register_advantage_estimator("route")
+def route_estimator(rewards: torch.Tensor, group_keys: Sequence[Hashable], outcomes=(), *,
+                    route_weights: Sequence[float] = PATHROUTER_ROUTE_WEIGHTS, correct_f1_threshold: float = 0.5,
+                    evidence_threshold: float = 0.1, **options) -> AdvantageOutput:
+    """PathRouter: GRPO scaled by the weight of each trajectory's (C, P) route.
+
+    C and P come from the outcomes' own metrics (``EpisodeOutcome.em``/``f1``/``evidence_overlap``),
+    with the reward's thresholds, so the route and the reward never disagree.
+    """
+    if len(outcomes) != len(rewards):
+        raise ValueError(f"route advantages need one outcome per reward ({len(outcomes)} vs {len(rewards)})")
+    correct = torch.tensor([o.em > 0 or o.f1 >= correct_f1_threshold for o in outcomes], dtype=torch.bool)
+    supported = torch.tensor([o.evidence_overlap >= evidence_threshold for o in outcomes], dtype=torch.bool)
+    advantages, routes = route_conditioned_advantages(rewards, list(group_keys), correct, supported,
+                                                      tuple(route_weights), **_grpo_options(options))
+    return AdvantageOutput(advantages, routes)

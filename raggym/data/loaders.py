@@ -5,7 +5,9 @@ line) and parquet (columns ``title``, ``text`` and optionally ``id``).
 
 Questions: MuSiQue, HotpotQA, 2WikiMultiHopQA, Search-R1 / RouteRAG / verl parquet, and raggym's own
 JSONL (``Question.as_dict`` per line). Gold supporting passages are resolved to corpus ids while
-loading, so every question that comes out refers to passages that exist.
+loading, so every question that comes out refers to passages that exist. MuSiQue's
+``question_decomposition`` becomes the question's golden trajectory (see
+``_musique_golden_trajectory``), which R1-Router's teacher-forced Step-GRPO needs.
 
 Every error is a ``DataFormatError`` naming the file, the record index and the field; a loader
 either returns everything or raises, never a partial list. Writers go through a temporary file and
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
+
+from raggym.atomic import atomic_write  # re-exported: raggym.data.atomic_write is public API
 
 from .types import Corpus, Passage, Question, passage_id_for
 
@@ -195,25 +199,91 @@ def _parse_musique(path, i, rec, titles: _TitleIndex | None) -> Question:
     question = _field(path, i, rec, "question", str)
     answers = _answers(path, i, rec, "answer", "answer_aliases")
     paragraphs = _field(path, i, rec, "paragraphs", list)
+
+    def paragraph_id(j: int, role: str) -> str:
+        para = paragraphs[j]
+        title = para.get("title")
+        text = para.get("paragraph_text", para.get("text"))
+        if not isinstance(title, str) or not isinstance(text, str):
+            raise DataFormatError(path, i, f"paragraphs[{j}]", f"{role} paragraph lacks title or paragraph_text")
+        pid = titles.resolve(title, text) if titles else passage_id_for(title, text)
+        if pid is None:
+            raise DataFormatError(path, i, f"paragraphs[{j}]", f"{role} paragraph {title!r} is not in the corpus")
+        return pid
+
     gold: list[str] = []
     for j, para in enumerate(paragraphs):
         if not isinstance(para, dict):
             raise DataFormatError(path, i, f"paragraphs[{j}]", "expected an object")
-        if not para.get("is_supporting"):
-            continue
-        title = para.get("title")
-        text = para.get("paragraph_text", para.get("text"))
-        if not isinstance(title, str) or not isinstance(text, str):
-            raise DataFormatError(path, i, f"paragraphs[{j}]", "supporting paragraph lacks title or paragraph_text")
-        pid = titles.resolve(title, text) if titles else passage_id_for(title, text)
-        if pid is None:
-            raise DataFormatError(path, i, f"paragraphs[{j}]", f"supporting paragraph {title!r} is not in the corpus")
-        gold.append(pid)
+        if para.get("is_supporting"):
+            gold.append(paragraph_id(j, "supporting"))
     decomposition = rec.get("question_decomposition") or []
     hops = len(decomposition) if isinstance(decomposition, list) and decomposition else None
     if hops is None and qid[:1].isdigit() and "hop" in qid:
         hops = int(qid.split("hop")[0])
-    return Question(qid, question, answers, tuple(dict.fromkeys(gold)), hops=hops, kind="musique")
+    trajectory = _musique_golden_trajectory(path, i, decomposition, paragraphs, paragraph_id)
+    return Question(qid, question, answers, tuple(dict.fromkeys(gold)), hops=hops, kind="musique",
+                    golden_trajectory=trajectory)
+
+
+_ANSWER_REFERENCE_RE = re.compile(r"#(\d+)")
+_SPACE_BEFORE_PUNCTUATION_RE = re.compile(r"\s+([?.,!;:])")
+
+
+def _musique_golden_trajectory(path, i, decomposition, paragraphs: list, paragraph_id) -> tuple[dict, ...]:
+    """MuSiQue's ``question_decomposition`` as golden steps with the synthetic world's keys.
+
+    Each ``{question, answer, paragraph_support_idx}`` becomes ``{"query", "mode": "passage",
+    "kb": "text", "answer", "passage_ids"}``. Later sub-questions refer to earlier answers as
+    ``#1``, ``#2``, …; those references are replaced by the answers, so that every step reads on
+    its own, as the golden prefix R1-Router's Step-GRPO conditions on must. Wikidata-style
+    sub-questions (``"Hello Love >> performer"``) are kept as MuSiQue writes them. A record
+    without a decomposition has no golden trajectory; a malformed one is a ``DataFormatError``.
+    """
+    if not decomposition:
+        return ()
+    if not isinstance(decomposition, list):
+        raise DataFormatError(path, i, "question_decomposition", f"expected a list, got {type(decomposition).__name__}")
+    steps: list[dict] = []
+    for j, sub in enumerate(decomposition):
+        where = f"question_decomposition[{j}]"
+        if not isinstance(sub, dict):
+            raise DataFormatError(path, i, where, "expected an object")
+        text, answer = sub.get("question"), sub.get("answer")
+        if not isinstance(text, str) or not text.strip():
+            raise DataFormatError(path, i, f"{where}.question", "missing or empty")
+        if not isinstance(answer, str) or not answer.strip():
+            raise DataFormatError(path, i, f"{where}.answer", "missing or empty")
+
+        def earlier_answer(match: re.Match) -> str:
+            k = int(match.group(1))
+            if not 1 <= k <= j:
+                raise DataFormatError(path, i, f"{where}.question", f"#{k} refers to no earlier sub-question")
+            return steps[k - 1]["answer"]
+
+        sub_question = " ".join(_ANSWER_REFERENCE_RE.sub(earlier_answer, text).split())
+        support = sub.get("paragraph_support_idx")
+        steps.append({
+            "query": _SPACE_BEFORE_PUNCTUATION_RE.sub(r"\1", sub_question),
+            "mode": "passage",
+            "kb": "text",
+            "answer": answer.strip(),
+            "passage_ids": [] if support is None else [_support_passage_id(path, i, where, support, paragraphs, paragraph_id)],
+        })
+    return tuple(steps)
+
+
+def _support_passage_id(path, i, where: str, support, paragraphs: list, paragraph_id) -> str:
+    """Corpus id of the paragraph a sub-question is answered from."""
+    if isinstance(support, bool) or not isinstance(support, int):
+        raise DataFormatError(path, i, f"{where}.paragraph_support_idx", f"expected an int, got {support!r}")
+    # The index names a paragraph's "idx", which equals its position in MuSiQue's own files.
+    for j, para in enumerate(paragraphs):
+        if para.get("idx") == support:
+            return paragraph_id(j, "support")
+    if 0 <= support < len(paragraphs):
+        return paragraph_id(support, "support")
+    raise DataFormatError(path, i, f"{where}.paragraph_support_idx", f"no paragraph {support}")
 
 
 def _parse_hotpot_like(path, i, rec, titles: _TitleIndex, kind: str) -> Question:
@@ -370,24 +440,6 @@ def load_questions(path: str | os.PathLike, corpus: Corpus | None = None, fmt: s
 
 
 # ----------------------------------------------------------------------------- writers
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "w") -> Path:
-    """Write through a temporary file in the same directory, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
 
 
 def write_jsonl(path, rows: Iterable[dict]) -> Path:

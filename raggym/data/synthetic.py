@@ -31,14 +31,14 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+
+from raggym.atomic import atomic_directory
 
 from .types import Corpus, Passage, Question, passage_id_for
 
@@ -554,12 +554,8 @@ def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_forma
 
     if corpus_format not in ("jsonl", "json", "parquet"):
         raise ValueError(f"corpus_format must be jsonl, json or parquet, got {corpus_format!r}")
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)
     started = time.perf_counter()
-    try:
+    with atomic_directory(out_dir) as tmp:
         world = SyntheticWorld(config)
         needed = world._needed_facts()
         fact_passage: dict[tuple[int, str], str] = {}
@@ -619,13 +615,7 @@ def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_forma
         stats = _stats(config, world.entities, n_passages, n_triples, n_tables, questions)
         stats["seconds"] = round(time.perf_counter() - started, 3)
         (tmp / "world.json").write_text(json.dumps({"config": asdict(config), "stats": stats}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        return stats
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return stats
 
 
 def _flush_parquet(path: Path, writer, batch: list[dict]):

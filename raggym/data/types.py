@@ -49,8 +49,10 @@ class Question:
     ``answers`` holds the main answer first, then aliases; metrics take the maximum over all of
     them. ``gold_passage_ids`` refer to ``Passage.id`` in the corpus the question was loaded
     against. ``gold_triples`` is the evidence path when it is known (the synthetic world always
-    knows it). ``golden_trajectory`` is a list of ``{"query": str, "mode": str}`` steps that would
-    answer the question (synthetic world only).
+    knows it). ``golden_trajectory`` lists the steps that answer the question, each
+    ``{"query": sub-question, "mode": retrieval mode, "kb": knowledge-base label, "answer":
+    intermediate answer}``; the synthetic world writes them, the MuSiQue loader derives them from
+    ``question_decomposition`` (adding ``"passage_ids"``), other formats have none.
     """
 
     id: str

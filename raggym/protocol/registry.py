@@ -43,7 +43,7 @@ def get_dialect(dialect: str | Dialect) -> Dialect:
 
 def register_dialect(cls: type[Dialect], *, replace: bool = False) -> Dialect:
     """Make a new ``Dialect`` subclass available by name everywhere a dialect name is accepted
-    (``get_dialect``, the environments, ``TrajectoryBuilder``'s span labels).
+    (``get_dialect``, the environments, ``RolloutBuilder``'s span labels).
 
     The span-labelling rules (``raggym.algorithms.spans.DIALECT_TAGS``) are derived from the
     class: reasoning blocks label THINK, search/route blocks QUERY, the answer block ANSWER and the

@@ -12,7 +12,7 @@ from .graph import GraphConfig, KnowledgeGraph, normalize_phrase
 from .hybrid import rrf_fuse
 from .openie_io import OpenIEAlignment, PassageTriples, align_openie, openie_docs
 from .ppr import CSRGraph, IgraphPPR, PPRResult, TorchPPR, top_k_rows
-from .retriever import Retriever, RetrieverConfig
+from .retriever import Retriever, RetrieverConfig, ensure_index
 from .storage import IndexFormatError
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "align_openie",
     "check_mode",
     "encode_texts",
+    "ensure_index",
     "merge_topk",
     "normalize_phrase",
     "openie_docs",

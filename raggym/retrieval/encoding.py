@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .storage import atomic_save_npy
+from raggym.atomic import atomic_write
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -174,7 +174,7 @@ class EmbeddingCache:
         )
         if path is not None:
             try:
-                atomic_save_npy(path, vectors)
+                atomic_write(path, lambda fh: np.save(fh, vectors, allow_pickle=False), mode="wb")
             except OSError:
                 pass  # a read-only cache directory must not break indexing
         return vectors

@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from raggym.atomic import atomic_directory
 
 from .base import Hit, QueryResult, check_mode
 from .dense import DenseConfig, DenseIndex
@@ -53,8 +56,8 @@ from .hybrid import rrf_fuse
 from .openie_io import align_openie
 from .ppr import TorchPPR, top_k_rows
 from .storage import (
+    MANIFEST,
     IndexFormatError,
-    atomic_directory,
     load_npy,
     read_manifest,
     read_table,
@@ -402,3 +405,27 @@ class Retriever:
             "dense": {"kind": self.dense.config.kind, "shards": self.dense.config.shards},
             "graph": None if self.graph is None else dict(self.graph.stats),
         }
+
+
+def ensure_index(index_dir: str | os.PathLike, corpus, *, openie=None, shards: int = 1,
+                 show_progress: bool = True, **build_options) -> Path:
+    """The index directory for ``corpus``, built and saved (atomically) only if it has no manifest yet.
+
+    ``corpus`` is a ``Corpus``, a list of passages or a corpus file; ``openie``, ``shards`` and
+    ``build_options`` (``embedder``, ``config``, ``cache``, ...) go to ``Retriever.build``. Building prints one line to stderr first (it can take minutes). An
+    existing index is not rebuilt, but it must have been built from this very corpus: a manifest
+    with another corpus fingerprint raises ``IndexFormatError`` (a stale ``index_dir`` would
+    otherwise serve passages whose ids do not match the questions' gold). Returns ``index_dir``.
+    """
+    root = Path(index_dir)
+    corpus = _as_corpus(corpus)
+    if (root / MANIFEST).exists():
+        built_from = read_manifest(root).get("corpus_sha1")
+        if built_from != corpus_fingerprint(corpus):
+            raise IndexFormatError(f"index {root} was built from a different corpus than the {len(corpus)} passages "
+                                   f"given; delete it or point index_dir elsewhere to rebuild")
+        return root
+    kind = "dense + knowledge graph" if openie is not None else "dense"
+    print(f"[raggym] building the {kind} index of {len(corpus)} passages under {root}", file=sys.stderr, flush=True)
+    Retriever.build(corpus, openie=openie, shards=int(shards), show_progress=show_progress, **build_options).save(root)
+    return root

@@ -1,7 +1,8 @@
-"""On-disk helpers for retrieval artifacts: atomic directories, checksummed manifests, safe formats.
+"""On-disk helpers for retrieval artifacts: checksummed manifests, safe formats.
 
 Every index directory is written into a temporary sibling first and renamed into place at the
-end, so a crash (or Ctrl-C) never leaves a half-written index where a reader might open it.
+end (``raggym.atomic.atomic_directory``), so a crash (or Ctrl-C) never leaves a half-written
+index where a reader might open it.
 The manifest lists every file with its size and SHA-256; ``verify_files`` turns truncation,
 bit rot or a swapped file into a ``ValueError`` that names the file, before FAISS or numpy get a
 chance to fail in less readable ways.
@@ -15,11 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -51,38 +48,6 @@ def file_table(root: Path) -> dict[str, dict]:
             rel = path.relative_to(root).as_posix()
             table[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     return table
-
-
-@contextmanager
-def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success it replaces ``final`` in one rename.
-
-    An existing ``final`` is moved aside first and deleted only after the new directory is in
-    place, so readers see either the old complete index or the new complete one.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            os.rmdir(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def atomic_save_npy(path: str | os.PathLike, array: np.ndarray) -> Path:
-    """``np.save`` through a temporary file and a rename (used for the embedding cache)."""
-    from raggym.data.loaders import atomic_write
-
-    return atomic_write(path, lambda fh: np.save(fh, np.ascontiguousarray(array), allow_pickle=False), mode="wb")
 
 
 def write_manifest(root: Path, manifest: dict) -> None:

@@ -33,9 +33,19 @@ gold_passages
     Texts of the gold evidence passages (used by PathRouter's evidence overlap).
 prompt_id
     The question / prompt identifier; GRPO groups rollouts by it.
+steps
+    R1-Router's per-call step records (``RouteStepRecord.as_dict()``: phase, sub-question, knowledge
+    base, answer and their gold values); empty for single-transcript episodes.
+env_reward
+    The terminal reward the environment's own ``reward_fn`` gave (exact match by default), kept so
+    training can log it next to the recipe's reward; ``None`` when the episode has none.
 response_text
     The full response side of the trajectory (model segments and observations, without the
     prompt). Optional; rewards that check tag structure (LWS) read it when it is present.
+
+The answer metrics ``em``, ``f1`` and ``evidence_overlap`` are computed on first use and cached on
+the (frozen) record, so a reward, an advantage estimator and the step log that all read them
+compute each once.
 
 ``queries``, ``modes``, ``retrieved_ids`` and ``retrieved_texts`` are aligned: each is either
 empty (not recorded) or has one entry per retrieval call. ``retrieval_count`` is that length.
@@ -44,6 +54,7 @@ empty (not recorded) or has one entry per retrieval call. ``retrieval_count`` is
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 
@@ -86,6 +97,8 @@ class EpisodeOutcome:
     gold_passages: tuple[str, ...] = ()
     prompt_id: str = ""
     response_text: str = ""
+    steps: tuple[Mapping[str, Any], ...] = ()
+    env_reward: float | None = None
 
     def __post_init__(self):
         # Accept lists from callers but store tuples, so the record stays hashable and frozen.
@@ -98,6 +111,7 @@ class EpisodeOutcome:
         set_(self, "gold_passages", _tuple_of_str(self.gold_passages))
         set_(self, "retrieval_seconds", float(self.retrieval_seconds))
         set_(self, "retrieval_cost", float(self.retrieval_cost))
+        set_(self, "steps", tuple(dict(step) for step in self.steps))
         if self.answer is not None and not isinstance(self.answer, str):
             raise TypeError(f"answer must be str or None, got {type(self.answer).__name__}")
         if not self.gold_answers:
@@ -125,6 +139,27 @@ class EpisodeOutcome:
         return max(
             len(self.queries), len(self.modes), len(self.retrieved_ids), len(self.retrieved_texts)
         )
+
+    @cached_property
+    def em(self) -> float:
+        """Exact match of the answer against the gold answers (SQuAD normalisation)."""
+        from raggym.rewards.metrics import exact_match
+
+        return exact_match(self.answer, self.gold_answers)
+
+    @cached_property
+    def f1(self) -> float:
+        """Token F1 of the answer, the best over the gold aliases."""
+        from raggym.rewards.metrics import token_f1
+
+        return token_f1(self.answer, self.gold_answers)
+
+    @cached_property
+    def evidence_overlap(self) -> float:
+        """EO: mean over gold passages of token-F1(all retrieved text, gold passage); 0 without gold."""
+        from raggym.rewards.metrics import evidence_overlap
+
+        return evidence_overlap(self.all_retrieved_texts(), self.gold_passages) if self.gold_passages else 0.0
 
     def all_retrieved_texts(self) -> list[str]:
         """Every retrieved passage text in the order it was returned."""
@@ -199,6 +234,8 @@ class EpisodeOutcome:
             gold_passages=_tuple_of_str(pick("gold_passages", "gold_passage_texts", default=())),
             prompt_id=str(pick("prompt_id", "question_id", default="")),
             response_text=str(pick("response_text", default="")),
+            steps=tuple(pick("steps", default=())),
+            env_reward=None if pick("reward") is None else float(pick("reward")),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -208,6 +245,8 @@ class EpisodeOutcome:
             value = getattr(self, f.name)
             if f.name in ("retrieved_ids", "retrieved_texts"):
                 value = [list(v) for v in value]
+            elif f.name == "steps":
+                value = [dict(step) for step in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from raggym.algorithms.advantages import PATHROUTER_ROUTE_WEIGHTS, Route
-from raggym.rewards.metrics import evidence_overlap, exact_match, token_f1
 from raggym.rewards.outcome import EpisodeOutcome
 
 
@@ -79,9 +78,7 @@ def pathrouter_reward_terms(
     outcome: EpisodeOutcome, config: PathRouterConfig = PathRouterConfig()
 ) -> dict[str, float]:
     """Every term of the PathRouter reward, plus ``total``; useful for logging."""
-    em = exact_match(outcome.answer, outcome.gold_answers)
-    f1 = token_f1(outcome.answer, outcome.gold_answers)
-    eo = evidence_overlap(outcome.all_retrieved_texts(), outcome.gold_passages)
+    em, f1, eo = outcome.em, outcome.f1, outcome.evidence_overlap
     n_retrievals = outcome.retrieval_count
     correct = is_correct(em, f1, config.correct_f1_threshold)
     answered = outcome.answer is not None and not outcome.truncated
@@ -127,10 +124,8 @@ def pathrouter_flags(
     outcome: EpisodeOutcome, config: PathRouterConfig = PathRouterConfig()
 ) -> tuple[bool, bool]:
     """(C, P) of one trajectory: C = [EM > 0 or F1 ≥ 0.5], P = [EO ≥ θ_P]."""
-    em = exact_match(outcome.answer, outcome.gold_answers)
-    f1 = token_f1(outcome.answer, outcome.gold_answers)
-    eo = evidence_overlap(outcome.all_retrieved_texts(), outcome.gold_passages)
-    return is_correct(em, f1, config.correct_f1_threshold), eo >= config.evidence_threshold
+    return (is_correct(outcome.em, outcome.f1, config.correct_f1_threshold),
+            outcome.evidence_overlap >= config.evidence_threshold)
 
 
 def pathrouter_route(

@@ -90,3 +90,49 @@ def intermediate_answer_reward(answer: str | None, reference: str | Sequence[str
 def final_answer_reward(answer: str | None, gold: str | Sequence[str]) -> float:
     """R_final = 1 if every gold token is recalled, else 0."""
     return 1.0 if token_recall(answer, gold) == 1.0 else 0.0
+
+
+# The knowledge-base names the model writes inside <ret> in raggym's R1-Router setting (the
+# runtime names its retrieval services with them; "None" is the stop route).
+TEXT_KB, TABLE_KB = "Text Retriever", "Table Retriever"
+DEFAULT_KNOWLEDGE_BASES = (TEXT_KB, TABLE_KB)
+STOP_ROUTE = "None"
+
+
+def r1_router_step_rewards(outcomes: Sequence, embed, knowledge_bases: Sequence[str] = DEFAULT_KNOWLEDGE_BASES) -> list[float]:
+    """One reward per teacher-forced step (each outcome holds exactly one step record).
+
+    Routing step: ``R_route`` with ``None`` as the stop action's sub-question and route. The gold
+    of a routing step past the golden trajectory is the stop action itself, which the environment
+    records as ``"None"``; any other missing gold is an error, never a silent reward.
+    Intermediate answer: ``R_mid`` against the golden step answer. Final answer: ``R_final``.
+    ``embed(texts) -> [n, d]`` embeds sub-questions (one batched call for the whole batch).
+    """
+    steps = []
+    for i, outcome in enumerate(outcomes):
+        if len(outcome.steps) != 1:
+            raise ValueError(f"R1-Router's Step-GRPO reward scores one teacher-forced step per rollout; "
+                             f"rollout {i} ({outcome.prompt_id}) has {len(outcome.steps)} steps")
+        steps.append(outcome.steps[0])
+    for step, outcome in zip(steps, outcomes):
+        needs = ("gold_sub_question", "gold_knowledge_base") if step["phase"] == "route" else ("gold_answer",)
+        missing = [k for k in needs if step.get(k) is None]
+        if missing:
+            raise ValueError(f"question {outcome.prompt_id}: {step['phase']} step {step.get('route_step')} has no "
+                             f"{', '.join(missing)}; R1-Router needs golden steps for every rewarded step")
+    routes = [s for s in steps if s["phase"] == "route"]
+    texts = [s.get("sub_question") or STOP_ROUTE for s in routes] + [s["gold_sub_question"] for s in routes]
+    vectors = np.asarray(embed(texts)) if texts else np.zeros((0, 1))
+    embedded = {id(s): (vectors[i], vectors[len(routes) + i]) for i, s in enumerate(routes)}
+    valid = [*knowledge_bases, STOP_ROUTE]
+    rewards = []
+    for step, outcome in zip(steps, outcomes):
+        if step["phase"] == "route":
+            q, gold_q = embedded[id(step)]
+            rewards.append(router_step_reward(not step["format_error"], q, gold_q,
+                                              step.get("knowledge_base") or STOP_ROUTE, step["gold_knowledge_base"], valid))
+        elif step["phase"] == "answer":
+            rewards.append(intermediate_answer_reward(step.get("answer"), step["gold_answer"]))
+        else:
+            rewards.append(final_answer_reward(step.get("answer"), outcome.gold_answers))
+    return [float(r) for r in rewards]

@@ -8,8 +8,9 @@ Three methods change their reward during training:
   format + PRA until ``phase3_start``, then phase 3 is format + CAF.
 
 PathRouter and the Search-R1 baseline (EM) have one stage; they are included so that every
-episode-level recipe can be driven the same way. R1-Router scores steps, not episodes, and uses
-``raggym.rewards.r1_router`` directly.
+episode-level recipe can be driven the same way. R1-Router scores teacher-forced steps: each of
+its rollouts is one step whose outcome holds that step's record
+(``raggym.rewards.r1_router.r1_router_step_rewards``), so it is driven the same way too.
 
 Every reward function has the batch signature ``(outcomes) -> list[float]``, because RouteRAG's
 stage 2 needs the whole batch. Steps count from 0; a stage that starts at step ``s`` is in force
@@ -170,6 +171,14 @@ def exact_match_schedule() -> RewardSchedule:
     )
 
 
+def r1_router_schedule(embed: Embedder) -> RewardSchedule:
+    """R1-Router: one stage; each rollout is one teacher-forced step scored by its step reward."""
+    from raggym.rewards.r1_router import r1_router_step_rewards
+
+    return RewardSchedule("r1_router", StageSchedule(("main",), (0,)),
+                          {"main": lambda outcomes: r1_router_step_rewards(outcomes, embed)})
+
+
 def _split_config(method: str, cfg: Mapping[str, Any], schedule_keys: set[str], config_cls):
     config_keys = {f.name for f in dataclasses.fields(config_cls)} if config_cls else set()
     unknown = sorted(set(cfg) - schedule_keys - config_keys - {"method"})
@@ -212,15 +221,20 @@ def reward_schedule_from_config(
     if method == "search_r1":
         _split_config(method, cfg, set(), None)
         return exact_match_schedule()
+    if method == "r1_router":
+        _split_config(method, cfg, {"embedder"}, None)  # the embedder spec is resolved by the caller
+        if embed is None:
+            raise ValueError("r1_router reward: needs an embedder (sub-question similarity)")
+        return r1_router_schedule(embed)
     if method in CUSTOM_SCHEDULES:
         return CUSTOM_SCHEDULES[method]({k: v for k, v in cfg.items() if k != "method"})
     raise ValueError(
         f"unknown reward method {method!r}; expected one of routerag, lws, graphrag_r1, "
-        f"pathrouter, search_r1{''.join(', ' + m for m in CUSTOM_SCHEDULES)}"
+        f"pathrouter, search_r1, r1_router{''.join(', ' + m for m in CUSTOM_SCHEDULES)}"
     )
 
 
-BUILTIN_METHODS = ("routerag", "lws", "graphrag_r1", "pathrouter", "search_r1")
+BUILTIN_METHODS = ("routerag", "lws", "graphrag_r1", "pathrouter", "search_r1", "r1_router")
 # method name -> builder(options without "method") -> RewardSchedule; see register_reward_schedule
 CUSTOM_SCHEDULES: dict[str, Callable[[dict], RewardSchedule]] = {}
 

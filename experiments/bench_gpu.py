@@ -1,0 +1,988 @@
+"""GPU benchmarks of the CUDA paths (JSON): engine, rollout, learner, log-probs, ZeRO-2, PPR, smoke.
+
+    python -m experiments.bench_gpu --out gpu.json                     # every section, on CUDA
+    python -m experiments.bench_gpu --sections logprobs ppr --out x.json
+    python -m experiments.bench_gpu --device cpu --tiny --in-process   # tiny shapes: checks the script
+
+Every section runs in its own Python process (unless ``--in-process``) with its own time limit,
+so an out-of-memory error, a CUDA fault or a hang in one section cannot lose the others; the JSON
+records for each section either its figures or the error text. ``--out`` is rewritten after every
+section, so a run stopped from outside keeps what finished.
+
+Sections:
+
+- ``engine_smollm2`` / ``engine_qwen1.5b``: ``HFEngine.generate`` tokens/s at batch 1, 32 and 128
+  (prompt 128 random token ids, 128 new tokens, temperature 1, seeded per-prompt streams as the
+  rollout uses them; end-of-sequence ids switched off so every prompt yields exactly 128 tokens).
+  SmolLM2-135M has its real weights (``--smollm``); the Qwen2.5-1.5B shape has random weights.
+- ``rollout``: multi-turn rollout tokens/s ÷ plain ``generate`` tokens/s at equal tokens, the
+  method of ``experiments/bench_runtime.py`` without Ray. Retrieval answers come from a table of
+  the real ``Retriever``'s results for each episode's question, built on a CPU machine
+  (``--build-retrieval-table``), because the GPU machine cannot hold the embedder and FAISS; its
+  time is excluded from the figure anyway.
+- ``learner``: ``actors.learner.Learner`` (DeepSpeed ZeRO-2, bf16, gradient checkpointing, torch
+  AdamW) on a random-weight Qwen2.5-3B shape; per (sequence length, micro-batch): peak memory,
+  tokens/s and model FLOPs utilisation ``MFU = 6 · N · tokens/s / peak`` (N = parameters, peak =
+  ``--peak-tflops``, 989 TFLOP/s dense bf16 for an H100 SXM; 6·N counts forward + backward and
+  not the recomputation of checkpointing or attention). Micro-batches grow until one runs out of
+  memory. Gradient accumulation is fixed (``--grad-accum``), so one Learner serves every
+  micro-batch size of a sequence length.
+- ``torch_adamw``: the same steps in a plain torch loop (float32 weights, bf16 autocast, AdamW,
+  gradient checkpointing), for DeepSpeed ZeRO-2 ÷ plain torch at the same micro-batches.
+- ``logprobs``: peak memory and time of forward + backward of the per-token log-probabilities at
+  the 3B shape's vocabulary (151,936 × 2,048): full logits vs ``chunked_token_logprobs``.
+- ``ppr``: batched PPR (batch 64) on CUDA vs CPU on the synthetic 1.02M-node graph (``--ppr-graph``
+  from ``--save-ppr-graph``, or built here); top-10 agreement.
+- ``smoke``: what ``experiments/gpu_smoke.sh`` checks, without vLLM and Ray: HF engine on CUDA +
+  bf16 ZeRO-3 Learner, on-policy log-prob gap before and after an update and an in-process weight
+  sync.
+- ``deepspeed_ops``: DeepSpeed's FusedAdam CUDA op built with the machine's nvcc, one step
+  compared with torch AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+SECTIONS = ("engine_smollm2", "engine_qwen1.5b", "rollout", "learner", "torch_adamw", "logprobs", "ppr", "smoke", "deepspeed_ops")
+# Per-section wall-clock limits (seconds) when run as subprocesses; each is also capped by --deadline.
+SECTION_LIMITS = {"engine_smollm2": 200, "engine_qwen1.5b": 200, "rollout": 240, "learner": 300, "torch_adamw": 240,
+                  "logprobs": 150, "ppr": 300, "smoke": 240, "deepspeed_ops": 300}
+
+# Qwen2.5 shapes written out (no hub access on the GPU machine). Both tie input and output embeddings.
+QWEN25_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                   intermediate_size=8960, vocab_size=151936)
+QWEN25_3B = dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                 intermediate_size=11008, vocab_size=151936)
+QWEN25_COMMON = dict(max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                     hidden_act="silu", use_cache=True)
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512)
+
+
+def log(msg: str) -> None:
+    print(f"[bench_gpu] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def compute_dtype(args):
+    torch = _torch()
+    return torch.bfloat16 if args.device == "cuda" else torch.float32
+
+
+def synchronize(args) -> None:
+    if args.device == "cuda":
+        _torch().cuda.synchronize()
+
+
+def reset_peak(args) -> None:
+    torch = _torch()
+    if args.device == "cuda":
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory(args) -> dict:
+    """Peak allocated / reserved since the last reset, and allocated now, in GiB (CUDA only)."""
+    torch = _torch()
+    if args.device != "cuda":
+        return {}
+    gib = 1024**3
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2),
+            "allocated_now_gib": round(torch.cuda.memory_allocated() / gib, 2)}
+
+
+def free_memory(args) -> None:
+    gc.collect()
+    if args.device == "cuda":
+        _torch().cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    torch = _torch()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def short_error(exc: BaseException, limit: int = 400) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
+def model_shape(args, full: dict) -> dict:
+    return dict(QWEN25_COMMON, **(TINY_SHAPE if args.tiny else full))
+
+
+def random_causal_lm(shape: dict, dtype, device: str, seed: int = 0):
+    """A Qwen2 causal LM of ``shape`` with random weights, built directly on ``device``."""
+    torch = _torch()
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**shape)
+    with torch.device(device):
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers releases before `dtype` replaced `torch_dtype`
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    return model
+
+
+def parameter_count(model) -> int:
+    """Parameters counted once each (tied input/output embeddings once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def load_tokenizer(args):
+    from raggym.models import load_policy_tokenizer
+
+    return load_policy_tokenizer(args.tokenizer)
+
+
+def random_checkpoint(args, name: str, shape: dict) -> Path:
+    """A saved random-weight model (bf16 safetensors + the tokenizer) for specs that need a directory."""
+    torch = _torch()
+    target = Path(args.work_dir) / name
+    if (target / "config.json").exists():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=name + ".tmp-", dir=args.work_dir))
+    model = random_causal_lm(shape, torch.bfloat16 if args.device == "cuda" else torch.float32, args.device)
+    model.save_pretrained(tmp)
+    load_tokenizer(args).save_pretrained(tmp)
+    del model
+    free_memory(args)
+    os.replace(tmp, target)
+    return target
+
+
+def synthetic_train_batch(n: int, seq_len: int, vocab: int, seed: int):
+    """``n`` sequences of random ids; the last three quarters are the trained response."""
+    torch = _torch()
+    from actors.learner import make_train_batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = seq_len // 4
+    ids = torch.randint(100, vocab, (n, seq_len), generator=g).tolist()
+    masks = [[0] * prompt + [1] * (seq_len - prompt)] * n
+    return make_train_batch(ids, masks, torch.randn(n, generator=g).tolist())
+
+
+def mfu(params: int, tokens_per_s: float, args) -> float | None:
+    if args.device != "cuda" or not args.peak_tflops:
+        return None
+    return round(6.0 * params * tokens_per_s / (args.peak_tflops * 1e12), 4)
+
+
+def parse_shapes(specs: list[str]) -> list[tuple[int, list[int]]]:
+    """``["2048:1,2,4", "1024:8"]`` -> ``[(2048, [1, 2, 4]), (1024, [8])]``."""
+    out = []
+    for spec in specs:
+        seq, _, micros = spec.partition(":")
+        if not micros:
+            raise argparse.ArgumentTypeError(f"shape {spec!r} must look like SEQ_LEN:MICRO,MICRO,...")
+        out.append((int(seq), [int(m) for m in micros.split(",")]))
+    return out
+
+
+# ----------------------------------------------------------------------------- 1. engine
+
+
+def bench_engine(args, engine, label: str) -> dict:
+    """tokens/s of ``engine.generate`` at each batch size, fixed-length outputs."""
+    torch = _torch()
+    from actors.engines.base import SamplingParams
+
+    engine.eos_token_ids = set()  # no early stops: every prompt yields exactly new_tokens
+    vocab = min(len(engine.tokenizer), engine.model.config.vocab_size)
+    prompt_len, new_tokens = (16, 8) if args.tiny else (args.prompt_tokens, args.new_tokens)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    batches = [1, 4] if args.tiny else args.engine_batches
+    variants = [(b, 1) for b in batches] + [(max(batches), None)]  # seed None: one global random stream
+    for batch, seed in variants:
+        prompts = torch.randint(100, vocab, (batch, prompt_len), generator=g).tolist()
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        engine.generate(prompts, sampling, (), 4)  # warm-up at this shape
+        reset_peak(args)
+        t = time.perf_counter()
+        results = engine.generate(prompts, sampling, (), new_tokens)
+        synchronize(args)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(r.token_ids) for r in results)
+        row = {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "per_prompt_seed": seed is not None,
+               "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+               "ms_per_decode_step": round(1000 * seconds / new_tokens, 2), **memory(args)}
+        rows.append(row)
+        log(f"{label}: {json.dumps(row)}")
+    return {"model": label, "dtype": str(next(engine.model.parameters()).dtype),
+            "parameters": parameter_count(engine.model), "rows": rows}
+
+
+def section_engine_smollm2(args) -> dict:
+    from actors.engines.hf import HFEngine
+
+    engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
+    return bench_engine(args, engine, "SmolLM2-135M-Instruct (real weights)")
+
+
+def section_engine_qwen(args) -> dict:
+    from actors.engines.hf import HFEngine
+
+    model = random_causal_lm(model_shape(args, QWEN25_1_5B), compute_dtype(args), args.device)
+    engine = HFEngine(model, load_tokenizer(args), device=args.device)
+    return bench_engine(args, engine, "Qwen2.5-1.5B shape (random weights)" if not args.tiny else "tiny Qwen2 shape")
+
+
+# ----------------------------------------------------------------------------- 1b. rollout
+
+
+class QuestionTableRetriever:
+    """Answers every query of one episode with the real Retriever's stored results for its question.
+
+    Built from ``--build-retrieval-table``: the GPU machine cannot hold the embedder and the FAISS
+    index, and the rollout figure excludes retrieval time anyway. The observation texts are real
+    passages of the synthetic world, so the token counts of later turns are realistic.
+    """
+
+    def __init__(self, per_mode: dict):
+        from raggym.retrieval.base import Hit
+
+        self.per_mode = {mode: ([Hit(**h) for h in stored["hits"]], [tuple(f) for f in stored["facts"]])
+                         for mode, stored in per_mode.items()}
+
+    def retrieve(self, queries, mode, k):
+        from raggym.retrieval.base import QueryResult
+
+        hits, facts = self.per_mode[mode]
+        return [QueryResult(q, hits[:k], 0.0, 0.0, mode, facts) for q in queries]
+
+
+class CountingBackend:
+    """The local rollout backend, counting generated tokens and the seconds spent in retrieval."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.generated_tokens = 0
+        self.generate_calls = 0
+        self.retrieval_seconds = 0.0
+
+    def submit_generate(self, *a):
+        fut = self.inner.submit_generate(*a)
+        self.generate_calls += 1
+        self.generated_tokens += sum(len(r.token_ids) for r in self.inner.get(fut))
+        return fut
+
+    def submit_retrieve(self, requests):
+        t = time.perf_counter()
+        out = self.inner.submit_retrieve(requests)
+        self.retrieval_seconds += time.perf_counter() - t
+        return out
+
+    def wait_one(self, futures):
+        return self.inner.wait_one(futures)
+
+    def get(self, fut):
+        return self.inner.get(fut)
+
+
+def _rollout_api():
+    """The rollout loop's classes, wherever this checkout keeps them (envs.rollout or actors.rollout)."""
+    try:
+        from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
+        from raggym.trajectory import chat_prompt_ids
+
+        def run(loop, envs, questions):
+            return loop.run(envs, [EpisodeRequest(question=q, prompt_id=q.id) for q in questions])
+    except ImportError:
+        from actors.rollout import LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids
+
+        def run(loop, envs, questions):
+            return loop.run(envs, questions)
+    return LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids, run
+
+
+def build_retrieval_table(path: str, episodes: int, top_k: int) -> None:
+    """CPU side: the real Retriever's results for the first questions of the bench_runtime world."""
+    from raggym.data.synthetic import generate_world
+    from raggym.retrieval import MODES, Retriever
+
+    world = generate_world(seed=0, n_entities=1000, n_questions=max(80, episodes))
+    retriever = Retriever.build(world.corpus, openie=world.openie, shards=2, show_progress=False)
+    questions = world.questions[:episodes]
+    results = {}
+    for mode in MODES:
+        for q, r in zip(questions, retriever.retrieve([q.question for q in questions], mode, top_k)):
+            results.setdefault(q.id, {})[mode] = {"hits": [{"id": h.id, "title": h.title, "text": h.text, "score": float(h.score)}
+                                                           for h in r.hits],
+                                                  "facts": [list(f) for f in r.facts]}
+    table = {"source": "raggym.data.synthetic generate_world(seed=0, n_entities=1000); Retriever.build(shards=2), "
+                       "query = the question text", "top_k": top_k,
+             "questions": [q.as_dict() for q in questions], "results": results}
+    Path(path).write_text(json.dumps(table))
+
+
+def section_rollout(args) -> dict:
+    from actors.engines.base import SamplingParams
+    from actors.engines.hf import HFEngine
+    from envs import RagSearchEnv
+    from raggym.data.types import Question
+
+    if not args.retrieval_table:
+        raise RuntimeError("the rollout section needs --retrieval-table (make one with --build-retrieval-table)")
+    LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids, run = _rollout_api()
+    table = json.loads(Path(args.retrieval_table).read_text())
+    all_questions = [Question.from_dict(d) for d in table["questions"]]
+    engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
+    eos = set(engine.eos_token_ids)
+    cfg = RolloutConfig(max_response_tokens=96, max_turn_tokens=48, max_observation_tokens=96, waves=1)
+
+    def envs_for(questions):
+        return [RagSearchEnv(QuestionTableRetriever(table["results"][q.id]), [q], dialect="routerag", top_k=table["top_k"])
+                for q in questions]
+
+    rows = []
+    for episodes in [2] if args.tiny else args.rollout_episodes:
+        questions = all_questions[:episodes]
+        engine.eos_token_ids = eos
+        backend = CountingBackend(LocalBackend(engine))
+        loop = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(seed=1), cfg)
+        run(loop, envs_for(questions[:2]), questions[:2])  # warm-up
+        backend = CountingBackend(LocalBackend(engine))
+        loop = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(seed=1), cfg)
+        t = time.perf_counter()
+        run(loop, envs_for(questions), questions)
+        synchronize(args)
+        multi_seconds = time.perf_counter() - t - backend.retrieval_seconds
+        multi_tokens = backend.generated_tokens
+        prompts = [chat_prompt_ids(engine.tokenizer, env.reset(options={"question": q})[0])
+                   for env, q in zip(envs_for(questions), questions)]
+        per_prompt = max(1, round(multi_tokens / len(prompts)))
+        engine.eos_token_ids = set()  # equal produced tokens (the CPU bench stopped early at EOS)
+        t = time.perf_counter()
+        plain = engine.generate(prompts, SamplingParams(seed=1), (), per_prompt)
+        synchronize(args)
+        plain_seconds = time.perf_counter() - t
+        engine.eos_token_ids = eos
+        plain_tokens = sum(len(r.token_ids) for r in plain)
+        row = {"episodes": episodes, "multi_turn_tokens": multi_tokens, "generate_calls": backend.generate_calls,
+               "multi_turn_seconds": round(multi_seconds, 3), "retrieval_seconds_excluded": round(backend.retrieval_seconds, 4),
+               "multi_turn_tok_s": round(multi_tokens / multi_seconds, 1), "plain_tokens": plain_tokens,
+               "plain_seconds": round(plain_seconds, 3), "plain_tok_s": round(plain_tokens / plain_seconds, 1),
+               "ratio": round((multi_tokens / multi_seconds) / (plain_tokens / plain_seconds), 3)}
+        rows.append(row)
+        log(f"rollout: {json.dumps(row)}")
+    return {"model": "SmolLM2-135M-Instruct", "dtype": str(compute_dtype(args)), "config": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
+            "retrieval": table["source"], "rows": rows}
+
+
+# ----------------------------------------------------------------------------- 2/3. learner
+
+
+def section_learner(args, seq_len: int, micros: list[int]) -> dict:
+    """DeepSpeed ZeRO-2 Learner steps, micro-batch growing until out of memory."""
+    from actors.learner import Learner, LearnerConfig
+
+    shape = model_shape(args, QWEN25_3B)
+    directory = random_checkpoint(args, "qwen2.5-3b-shape-random" if not args.tiny else "tiny-qwen2-random", shape)
+    ga = args.grad_accum
+    cfg = LearnerConfig.from_dict({
+        "model": str(directory), "zero_stage": 2, "device": args.device,
+        "dtype": "bfloat16" if args.device == "cuda" else "float32",
+        "gradient_checkpointing": True, "micro_batch_size": micros[0], "mini_batch_size": micros[0] * ga,
+        "optimizer": {"lr": 1e-6}, "shuffle": False,
+    })
+    t = time.perf_counter()
+    learner = Learner(cfg)
+    setup = time.perf_counter() - t
+    params = parameter_count(learner.module)
+    out = {"impl": "actors.learner.Learner, DeepSpeed ZeRO-2, bf16, gradient checkpointing, torch AdamW",
+           "shape": shape, "parameters": params, "seq_len": seq_len, "grad_accum": ga,
+           "setup_seconds": round(setup, 1), "after_setup": memory(args), "rows": []}
+    for micro in micros:
+        # The DeepSpeed engine fixes gradient accumulation, not the micro-batch size, so changing
+        # both sizes together keeps every update exactly `ga` micro-batches long.
+        learner.config.micro_batch_size, learner.config.mini_batch_size = micro, micro * ga
+        batch = synthetic_train_batch(micro * ga, seq_len, shape["vocab_size"], seed=micro)
+        row: dict = {"micro_batch": micro, "tokens_per_micro_batch": micro * seq_len}
+        try:
+            reset_peak(args)
+            t = time.perf_counter()
+            batch["old_logprobs"] = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+            synchronize(args)
+            row["compute_logprobs_seconds"] = round(time.perf_counter() - t, 3)
+            row["compute_logprobs_memory"] = memory(args)
+            learner.update(batch)  # warm-up
+            reset_peak(args)
+            times = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                learner.update(batch)
+                synchronize(args)
+                times.append(time.perf_counter() - t)
+            tokens = micro * ga * seq_len
+            tps = tokens / statistics.median(times)
+            row.update(seconds_per_update=round(statistics.median(times), 3), tokens_per_s=round(tps, 1),
+                       mfu=mfu(params, tps, args), **memory(args))
+        except Exception as exc:  # noqa: BLE001 - an OOM ends the series; anything else is reported too
+            row["error"] = short_error(exc)
+            row["out_of_memory"] = is_oom(exc)
+            out["rows"].append(row)
+            log(f"learner seq {seq_len} micro {micro}: {row['error'][:200]}")
+            break
+        out["rows"].append(row)
+        log(f"learner seq {seq_len}: {json.dumps(row)}")
+    return out
+
+
+def section_torch_adamw(args, seq_len: int, micros: list[int]) -> dict:
+    """The same updates in a plain torch loop: fp32 weights, bf16 autocast, AdamW, checkpointing."""
+    torch = _torch()
+    from actors.learner import token_logprobs
+    from raggym.algorithms.losses import clipped_policy_loss
+
+    shape = model_shape(args, QWEN25_3B)
+    ga = args.grad_accum
+    model = random_causal_lm(shape, torch.float32, args.device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    params = parameter_count(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    dev = torch.device(args.device)
+    autocast = torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=args.device == "cuda")
+
+    def update(batch, micro) -> None:
+        mask_all = batch["loss_mask"].clone()
+        mask_all[:, 0] = 0
+        total = float(mask_all.sum())
+        for s in range(0, micro * ga, micro):
+            ids = batch["token_ids"][s : s + micro].to(dev)
+            attn = batch["attention_mask"][s : s + micro].to(dev)
+            mask = mask_all[s : s + micro].to(dev)
+            with autocast:
+                logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            lp = token_logprobs(logits.float(), ids)
+            loss, _ = clipped_policy_loss(lp, batch["old_logprobs"][s : s + micro].to(dev), batch["advantages"][s : s + micro].to(dev), mask)
+            (loss * float(mask.sum()) / total).backward()  # the global token mean, as the Learner weighs it
+            del logits, lp, loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = {"impl": "plain torch: fp32 weights, bf16 autocast, torch.optim.AdamW (foreach), gradient checkpointing",
+           "shape": shape, "parameters": params, "seq_len": seq_len, "grad_accum": ga, "rows": []}
+    for micro in micros:
+        batch = synthetic_train_batch(micro * ga, seq_len, shape["vocab_size"], seed=micro)
+        with torch.no_grad():  # old log-probs: any fixed values serve for timing
+            batch["old_logprobs"] = torch.zeros(batch["token_ids"].shape)
+        row: dict = {"micro_batch": micro, "tokens_per_micro_batch": micro * seq_len}
+        try:
+            update(batch, micro)  # warm-up (also allocates the AdamW state)
+            reset_peak(args)
+            times = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                update(batch, micro)
+                synchronize(args)
+                times.append(time.perf_counter() - t)
+            tps = micro * ga * seq_len / statistics.median(times)
+            row.update(seconds_per_update=round(statistics.median(times), 3), tokens_per_s=round(tps, 1),
+                       mfu=mfu(params, tps, args), **memory(args))
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = short_error(exc)
+            row["out_of_memory"] = is_oom(exc)
+            out["rows"].append(row)
+            log(f"torch seq {seq_len} micro {micro}: {row['error'][:200]}")
+            break
+        out["rows"].append(row)
+        log(f"torch seq {seq_len}: {json.dumps(row)}")
+    return out
+
+
+# ----------------------------------------------------------------------------- 2b. log-probs
+
+
+def section_logprobs(args) -> dict:
+    torch = _torch()
+    from raggym.algorithms.logprobs import chunked_token_logprobs, full_token_logprobs
+
+    shape = model_shape(args, QWEN25_3B)
+    vocab, width = shape["vocab_size"], shape["hidden_size"]
+    dtype, dev = compute_dtype(args), torch.device(args.device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    weight = (torch.randn(vocab, width, generator=g, device=dev, dtype=torch.float32) * 0.02).to(dtype).requires_grad_()
+    variants = [("full", None)] + [(f"chunked_{c}", c) for c in args.logprob_chunks]
+    out = {"vocab": vocab, "hidden": width, "dtype": str(dtype), "rows": []}
+    for batch, seq in ([(2, 16), (4, 8)] if args.tiny else args.logprob_shapes):
+        hidden = torch.randn(batch, seq, width, generator=g, device=dev, dtype=torch.float32).to(dtype).requires_grad_()
+        ids = torch.randint(0, vocab, (batch, seq), generator=g, device=dev)
+        upstream = torch.randn(batch, seq, generator=g, device=dev)
+        reference = None
+        for name, chunk in variants:
+            row: dict = {"batch": batch, "seq_len": seq, "variant": name}
+            try:
+                def step():
+                    hidden.grad = weight.grad = None
+                    lp = full_token_logprobs(hidden, weight, ids) if chunk is None else chunked_token_logprobs(hidden, weight, ids, chunk_size=chunk)
+                    (lp * upstream).sum().backward()
+                    return lp.detach()
+
+                step()  # warm-up
+                reset_peak(args)
+                base = _torch().cuda.memory_allocated() if args.device == "cuda" else 0
+                times = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    lp = step()
+                    synchronize(args)
+                    times.append(time.perf_counter() - t)
+                row["seconds_fwd_bwd"] = round(statistics.median(times), 4)
+                if args.device == "cuda":
+                    row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / 1024**3, 2)
+                got = (lp, hidden.grad.detach().clone(), weight.grad.detach().clone())
+                if reference is None and chunk is None:
+                    reference = got
+                elif reference is not None:
+                    row["max_abs_diff_vs_full"] = {k: float((a.float() - b.float()).abs().max())
+                                                   for k, a, b in zip(("logprobs", "grad_hidden", "grad_weight"), got, reference)}
+                del got
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = short_error(exc)
+                row["out_of_memory"] = is_oom(exc)
+            hidden.grad = weight.grad = None
+            free_memory(args)
+            out["rows"].append(row)
+            log(f"logprobs: {json.dumps(row)}")
+        reference = None
+        del hidden, ids, upstream
+        free_memory(args)
+    return out
+
+
+# ----------------------------------------------------------------------------- 4. PPR
+
+
+def save_ppr_graph(path: str, passages: int) -> dict:
+    """Build the synthetic-world graph of ``experiments.bench_retrieval`` and store its CSR (npz)."""
+    import numpy as np
+
+    from raggym.data.synthetic import entities_for_passages, generate_world
+    from raggym.retrieval.graph import KnowledgeGraph
+    from raggym.retrieval.openie_io import align_openie
+
+    t = time.perf_counter()
+    world = generate_world(seed=0, n_entities=entities_for_passages(passages), n_questions=10)
+    kg = KnowledgeGraph.build(align_openie(world.openie, world.corpus).per_passage)
+    csr = kg.csr
+    meta = {"nodes": kg.n_nodes, "passages": kg.n_passages, "phrases": len(kg.phrases), "nnz": csr.nnz,
+            "build_seconds": round(time.perf_counter() - t, 1), "source": f"generate_world(seed=0, ~{passages} passages)"}
+    # Edge weights are small integer counts, exact in float32; compressed they cost almost nothing.
+    np.savez_compressed(path, indptr=csr.indptr, indices=csr.indices, weights=csr.weights.astype(np.float32),
+                        meta=np.array(json.dumps(meta)))
+    return meta
+
+
+def load_ppr_graph(args):
+    import numpy as np
+
+    from raggym.retrieval.ppr import CSRGraph
+
+    if args.ppr_graph:
+        data = np.load(args.ppr_graph)
+        meta = json.loads(str(data["meta"]))
+        csr = CSRGraph(data["indptr"], data["indices"], data["weights"].astype(np.float64))
+        return csr, meta
+    path = Path(args.work_dir) / "ppr_graph.npz"
+    meta = save_ppr_graph(str(path), 2000 if args.tiny else args.ppr_passages)
+    args.ppr_graph = str(path)
+    csr, _ = load_ppr_graph(args)
+    return csr, meta
+
+
+def section_ppr(args) -> dict:
+    import types
+
+    import numpy as np
+
+    from experiments.bench_retrieval import hipporag_like_resets
+    from raggym.retrieval.ppr import TorchPPR, top_k_rows
+
+    torch = _torch()
+    t = time.perf_counter()
+    csr, meta = load_ppr_graph(args)
+    out = {"graph": meta, "load_seconds": round(time.perf_counter() - t, 1), "damping": 0.5, "tol": 1e-5}
+    graph_like = types.SimpleNamespace(n_nodes=csr.n, n_passages=meta["passages"], phrases=range(meta["phrases"]))
+    passages = np.arange(meta["passages"])
+    threads = args.cpu_threads or os.cpu_count()
+    cpu = TorchPPR(csr, 0.5, tol=1e-5, device="cpu", threads=threads)
+    engines = {"cpu": cpu}
+    if args.device == "cuda":
+        engines["cuda"] = TorchPPR(csr, 0.5, tol=1e-5, device="cuda")
+    results = {}
+    for batch in args.ppr_batches:
+        reset = hipporag_like_resets(graph_like, batch, seed=1)
+        for name, eng in engines.items():
+            if name == "cpu" and batch != args.ppr_batches[0]:
+                continue  # the CPU side once, at the first batch size
+            eng.run(reset)  # warm-up
+            times = []
+            for _ in range(3 if name == "cpu" else 10):
+                t = time.perf_counter()
+                res = eng.run(reset)
+                times.append(time.perf_counter() - t)
+            seconds = statistics.median(times)
+            results[(name, batch)] = res
+            row = {"batch": batch, "seconds_per_batch": round(seconds, 4), "queries_per_s": round(batch / seconds, 1),
+                   "iterations": int(res.iterations.max()), "threads": threads if name == "cpu" else None}
+            out[f"{name}_batch{batch}"] = row
+            log(f"ppr {name}: {json.dumps(row)}")
+    first = args.ppr_batches[0]
+    if ("cuda", first) in results:
+        a, b = results[("cpu", first)].scores, results[("cuda", first)].scores
+        same = (top_k_rows(a[:, passages], 10) == top_k_rows(b[:, passages], 10)).all(axis=1)
+        out["top10_identical_queries"] = f"{int(same.sum())}/{len(same)}"
+        out["max_abs_score_diff"] = float(np.abs(a - b).max())
+        out["cuda_over_cpu_speedup"] = round(out[f"cpu_batch{first}"]["seconds_per_batch"] / out[f"cuda_batch{first}"]["seconds_per_batch"], 1)
+        src = torch.ones(256 * 1024 * 1024, device="cuda")  # 1 GiB: device copy bandwidth, read + write
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        bandwidth = 2 * src.numel() * 4 * 10 / (time.perf_counter() - t)
+        eng = engines["cuda"]
+        per_iter = out[f"cuda_batch{first}"]["seconds_per_batch"] / out[f"cuda_batch{first}"]["iterations"]
+        out["cuda_copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+        out["cuda_fraction_of_memory_bound"] = {
+            "rows_reused": round(eng.bytes_per_iteration(first) / bandwidth / per_iter, 3),
+            "one_row_per_nonzero": round(eng.bytes_per_iteration(first, row_reuse=False) / bandwidth / per_iter, 3)}
+    return out
+
+
+# ----------------------------------------------------------------------------- 5. smoke
+
+
+def section_smoke(args) -> dict:
+    """gpu_smoke.sh without vLLM and Ray: HF engine + bf16 ZeRO-3 Learner in one process."""
+    torch = _torch()
+    from actors.engines.base import SamplingParams
+    from actors.engines.hf import HFEngine
+    from actors.learner import Learner, make_train_batch
+
+    engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
+    learner = Learner({"model": args.smollm, "zero_stage": 3, "device": args.device,
+                       "dtype": "bfloat16" if args.device == "cuda" else "float32",
+                       "micro_batch_size": 2, "mini_batch_size": 4, "gradient_checkpointing": True, "optimizer": {"lr": 1e-5}})
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in ("What is the capital of France?", "Name three colours.")] * 2
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    report: dict = {"learner": learner.info()}
+
+    def rollout(seed):
+        t = time.perf_counter()
+        res = engine.generate(prompts, SamplingParams(temperature=1.0, seed=seed), ["</answer>"], 32)
+        secs = time.perf_counter() - t
+        batch = make_train_batch([p + r.token_ids for p, r in zip(prompts, res)],
+                                 [[0] * len(p) + [1] * len(r.token_ids) for p, r in zip(prompts, res)],
+                                 [1.0, -1.0, 0.5, -0.5],
+                                 [[0.0] * len(p) + r.logprobs for p, r in zip(prompts, res)], pad_token_id=tok.pad_token_id)
+        return res, batch, secs
+
+    def gap(batch):
+        lp = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+        m = batch["loss_mask"].bool()
+        return float((lp - batch["old_logprobs"])[m].abs().max())
+
+    res, batch, secs = rollout(0)
+    report["generate"] = {"seconds": round(secs, 3), "tokens": sum(len(r.token_ids) for r in res),
+                          "versions": sorted({r.weight_version for r in res})}
+    report["gap_before_update"] = gap(batch)
+    update = learner.update(batch)
+    report["update"] = {k: update[k] for k in ("loss", "grad_norm", "tokens", "update_seconds") if k in update}
+    t = time.perf_counter()
+    engine.update_weights(learner.get_weights(dtype="bfloat16" if args.device == "cuda" else None))
+    report["sync_seconds_in_process"] = round(time.perf_counter() - t, 3)
+    res, batch, _ = rollout(1)
+    report["versions_after_sync"] = sorted({r.weight_version for r in res})
+    report["gap_after_sync"] = gap(batch)
+    report["checks"] = {"versions_after_sync == [1]": report["versions_after_sync"] == [1],
+                        "gap_after_sync < 0.5 nats": report["gap_after_sync"] < 0.5}
+    report["not_run"] = "vLLM engine, NCCL/pynccl weight broadcast and the Ray actors: vLLM cannot be installed on this machine"
+    del engine, learner
+    torch.cuda.empty_cache() if args.device == "cuda" else None
+    return report
+
+
+def section_deepspeed_ops(args) -> dict:
+    """Build DeepSpeed's FusedAdam with the machine's nvcc and check one step against torch AdamW."""
+    torch = _torch()
+    if args.device != "cuda":
+        return {"skipped": "FusedAdam is a CUDA op"}
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.op_builder import FusedAdamBuilder
+
+    out = {"nvcc": shutil.which("nvcc")}
+    t = time.perf_counter()
+    FusedAdamBuilder().load()
+    out["build_or_load_seconds"] = round(time.perf_counter() - t, 1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    start = torch.randn(1 << 20, generator=g, device="cuda")
+    grad = torch.randn(1 << 20, generator=g, device="cuda")
+    a, b = start.clone().requires_grad_(), start.clone().requires_grad_()
+    fused = FusedAdam([a], lr=1e-3, weight_decay=0.01, adam_w_mode=True)
+    plain = torch.optim.AdamW([b], lr=1e-3, weight_decay=0.01)
+    for opt, p in ((fused, a), (plain, b)):
+        for _ in range(3):
+            p.grad = grad.clone()
+            opt.step()
+    out["max_abs_diff_vs_torch_adamw_after_3_steps"] = float((a - b).abs().max())
+    return out
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def device_info(args) -> dict:
+    import importlib.metadata as md
+
+    info: dict = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
+    for pkg in ("torch", "transformers", "deepspeed", "numpy"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    if args.device == "cuda":
+        torch = _torch()
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+        info["torch_cuda"] = torch.version.cuda
+        for key, cmd in (("nvidia_smi", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]),
+                         ("nvcc", ["nvcc", "--version"])):
+            try:
+                text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+                info[key] = text.splitlines()[-1] if key == "nvcc" and text else text
+            except (OSError, subprocess.SubprocessError) as exc:
+                info[key] = f"unavailable: {exc}"
+    return info
+
+
+def run_section(args, name: str, shape: tuple[int, list[int]] | None):
+    if name == "engine_smollm2":
+        return section_engine_smollm2(args)
+    if name == "engine_qwen1.5b":
+        return section_engine_qwen(args)
+    if name == "rollout":
+        return section_rollout(args)
+    if name == "learner":
+        return section_learner(args, *shape)
+    if name == "torch_adamw":
+        return section_torch_adamw(args, *shape)
+    if name == "logprobs":
+        return section_logprobs(args)
+    if name == "ppr":
+        return section_ppr(args)
+    if name == "smoke":
+        return section_smoke(args)
+    if name == "deepspeed_ops":
+        return section_deepspeed_ops(args)
+    raise ValueError(f"unknown section {name!r}; known: {', '.join(SECTIONS)}")
+
+
+def planned_runs(args) -> list[tuple[str, str, tuple[int, list[int]] | None]]:
+    """(key, section, shape) for every run: one per shape for the learner and torch sections."""
+    runs = []
+    for name in args.sections:
+        if name in ("learner", "torch_adamw"):
+            shapes = parse_shapes(args.learner_shapes if name == "learner" else args.torch_shapes)
+            if args.tiny:
+                shapes = [(64, [1, 2])]
+            runs.extend((f"{name}_seq{seq}", name, (seq, micros)) for seq, micros in shapes)
+        else:
+            runs.append((name, name, None))
+    return runs
+
+
+def _worker_argv(args, key: str, result_path: str) -> list[str]:
+    argv = [sys.executable, "-m", "experiments.bench_gpu", "--worker", key, "--worker-result", result_path]
+    for action in build_parser()._actions:
+        if action.dest in ("help", "worker", "worker_result", "out", "in_process", "sections", "deadline"):
+            continue
+        value = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif value is None:
+            continue
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def orchestrate(args) -> dict:
+    started = time.perf_counter()
+    report: dict = {"bench": "gpu", "command": " ".join(["python -m experiments.bench_gpu", *sys.argv[1:]]),
+                    "tiny": args.tiny, "device_requested": args.device, "sections": {}}
+    try:
+        report["device"] = device_info(args)
+    except Exception as exc:  # noqa: BLE001 - device facts are a courtesy, never fatal
+        report["device"] = {"error": short_error(exc)}
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+
+    def save():
+        text = json.dumps(report, indent=1, default=str)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
+
+    for key, name, shape in planned_runs(args):
+        left = args.deadline - (time.perf_counter() - started)
+        if left < 30:
+            report["sections"][key] = {"ok": False, "error": f"skipped: only {left:.0f} s of the --deadline were left"}
+            save()
+            continue
+        t = time.perf_counter()
+        if args.in_process:
+            try:
+                entry = {"ok": True, "result": run_section(args, name, shape)}
+            except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
+                entry = {"ok": False, "error": short_error(exc, 2000), "traceback": traceback.format_exc()[-3000:]}
+            free_memory(args)
+        else:
+            entry = _run_in_subprocess(args, key, min(SECTION_LIMITS[name], left - 10))
+        entry["wall_seconds"] = round(time.perf_counter() - t, 1)
+        report["sections"][key] = entry
+        log(f"section {key}: {'ok' if entry['ok'] else 'FAILED: ' + entry['error'][:300]} ({entry['wall_seconds']} s)")
+        save()
+    report["total_seconds"] = round(time.perf_counter() - started, 1)
+    save()
+    return report
+
+
+def _run_in_subprocess(args, key: str, limit: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        try:
+            proc = subprocess.run(_worker_argv(args, key, result_path), capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired as exc:
+            tail = (exc.stderr or b"")[-2000:]
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            return {"ok": False, "error": f"timed out after {limit:.0f} s", "stderr_tail": tail}
+        sys.stderr.write(proc.stderr[-4000:])
+        if os.path.exists(result_path):
+            return json.loads(Path(result_path).read_text())
+        return {"ok": False, "error": f"worker exited with status {proc.returncode} and no result",
+                "stderr_tail": proc.stderr[-3000:]}
+
+
+def worker(args) -> int:
+    runs = {key: (name, shape) for key, name, shape in planned_runs(argparse.Namespace(**{**vars(args), "sections": list(SECTIONS)}))}
+    name, shape = runs[args.worker]
+    try:
+        entry = {"ok": True, "result": run_section(args, name, shape)}
+    except Exception as exc:  # noqa: BLE001 - reported to the orchestrator as text
+        entry = {"ok": False, "error": short_error(exc, 2000), "traceback": traceback.format_exc()[-3000:]}
+    Path(args.worker_result).write_text(json.dumps(entry, default=str))
+    return 0
+
+
+def summary_lines(report: dict) -> list[str]:
+    lines = []
+    for key, entry in report["sections"].items():
+        if not entry.get("ok"):
+            lines.append(f"{key}: FAILED {entry.get('error', '')[:160]}")
+            continue
+        res = entry["result"]
+        for row in res.get("rows", []):
+            lines.append(f"{key}: " + ", ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))
+        rest = {k: v for k, v in res.items() if k != "rows" and not isinstance(v, (dict, list))}
+        if rest:
+            lines.append(f"{key}: " + ", ".join(f"{k}={v}" for k, v in rest.items()))
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="raggym bench gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="tiny shapes everywhere: checks the script, measures nothing")
+    p.add_argument("--out", help="JSON report path (rewritten after every section)")
+    p.add_argument("--in-process", action="store_true", help="run sections in this process instead of one process each")
+    p.add_argument("--deadline", type=float, default=3600.0, help="seconds for all sections; later ones are skipped")
+    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "raggym_bench_gpu"),
+                   help="where random-weight checkpoints and the built PPR graph are kept between sections")
+    p.add_argument("--smollm", default="smollm2-135m", help="model spec of SmolLM2-135M (a .gguf path works)")
+    p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer spec for the random-weight models")
+    p.add_argument("--engine-batches", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--retrieval-table", help="JSON from --build-retrieval-table (rollout section)")
+    p.add_argument("--rollout-episodes", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--learner-shapes", nargs="+", default=["2048:1,2,4,8", "1024:4,8,16,32"],
+                   help="SEQ_LEN:MICRO,MICRO,... for the DeepSpeed learner (micro-batches grow until OOM)")
+    p.add_argument("--torch-shapes", nargs="+", default=["2048:1,2,4,8"], help="the same for the plain torch loop")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=2, help="timed updates per micro-batch size (after one warm-up)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM: 989)")
+    p.add_argument("--logprob-shapes", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="+",
+                   default=[(2, 2048), (8, 2048), (32, 1024)], help="BATCHxSEQ for the log-prob section")
+    p.add_argument("--logprob-chunks", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--ppr-graph", help="npz from --save-ppr-graph; without it the graph is built here")
+    p.add_argument("--ppr-passages", type=int, default=760_000, help="synthetic passages (760k gives 1.02M nodes)")
+    p.add_argument("--ppr-batches", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the CPU PPR (default: all cores)")
+    p.add_argument("--build-retrieval-table", metavar="PATH", help="CPU helper: write the rollout's retrieval table and exit")
+    p.add_argument("--save-ppr-graph", metavar="PATH", help="CPU helper: build and store the synthetic PPR graph and exit")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-result", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.build_retrieval_table:
+        build_retrieval_table(args.build_retrieval_table, max(args.rollout_episodes), top_k=2)
+        return 0
+    if args.save_ppr_graph:
+        print(json.dumps(save_ppr_graph(args.save_ppr_graph, args.ppr_passages)))
+        return 0
+    if args.worker:
+        return worker(args)
+    if args.device == "cuda" and not _torch().cuda.is_available():
+        print("bench_gpu: no CUDA device is visible; use --device cpu --tiny to check the script", file=sys.stderr)
+        return 2
+    report = orchestrate(args)
+    print(json.dumps(report, indent=1, default=str))
+    for line in summary_lines(report):
+        print(line, file=sys.stderr)
+    return 0 if all(e.get("ok") for e in report["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,349 @@
+"""Training configuration: dataclass sections, merged and type-checked by OmegaConf.
+
+    cfg = load_config("experiments/configs/routerag_tiny.yaml", ["run.steps=4"])
+    python -m experiments.config --config experiments/configs/routerag_tiny.yaml run.steps=4  # merged YAML
+
+A config is the ``TrainConfig`` defaults, then a YAML file, then ``key=value`` overrides.
+
+* **Fixed sections** are dataclasses (``run``, ``data``, ``env``, ``policy``, ``rollout`` =
+  ``RolloutSection``, ``advantage``, ``retrieval``, ``ray``, ``sft``, ``eval``, ``learner_resources``
+  and the top-level scalars). OmegaConf itself rejects their unknown keys and mistyped values.
+* **Open sections** are ``dict`` fields whose keys depend on another key: ``reward``,
+  ``env.kwargs``, ``eval.env_kwargs``, ``rollout.engine_kwargs``, ``learner`` and ``data.synthetic``.
+  ``experiments.config_schema`` checks them against the class or signature they are passed to.
+* **Open registries**: ``method``/``reward.method`` (built-ins or ``register_reward_schedule``),
+  ``advantage.estimator`` (``register_advantage_estimator``), ``env.id`` (gymnasium's registry)
+  and ``rollout.engine`` (``hf``, ``vllm``, ``register_engine`` or ``"module:Class"``).
+* **Cross-section checks** (``_cross_errors``) run once everything else is valid.
+
+Every problem is one line of ``ConfigError``: ``invalid config:\\n  <source>: <dotted key>: <problem>``.
+The source is the YAML path, ``override``, ``config`` (``config_from_dict``) or ``defaults``. Each
+source is merged on its own, so OmegaConf's errors belong to the source being merged. Any other
+key belongs to the last source that sets it (or its section).
+"""
+
+import argparse
+import copy
+import dataclasses
+import functools
+import re
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ConfigTypeError, OmegaConfBaseException, ValidationError
+
+from experiments.config_schema import dataclass_in, get_path, leaf_from_type, leaf_paths, open_section_errors, unknown_key
+from raggym.models import LoraSettings
+
+STEPWISE_ENV = "raggym/MultiKBRoute-v0"  # R1-Router's env: its episodes run step-wise
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs/run"
+    seed: int = 0
+    steps: int = 2
+    checkpoint_every: int = 1
+    resume: bool = True  # pick up the latest complete checkpoint in out_dir
+    keep_checkpoints: int = 2
+    dump_trajectories: bool = False
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "files"] = "synthetic"
+    synthetic: dict = field(default_factory=lambda: {"seed": 0, "n_entities": 300, "n_questions": 60})
+    corpus: Optional[str] = None
+    questions: Optional[str] = None
+    openie: Optional[str] = None
+    index_dir: Optional[str] = None
+    table_corpus: Optional[str] = None
+    table_index_dir: Optional[str] = None
+
+
+@dataclass
+class EnvConfig:
+    id: str = "raggym/RouteRAG-v0"
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class PolicyConfig:
+    model: str = "smollm2-135m"
+
+
+@dataclass
+class RolloutSection:
+    engine: str = "hf"
+    workers: int = 2
+    env_runners: int = 1
+    prompts_per_step: int = 2
+    group_size: int = 2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_response_tokens: int = 64
+    max_turn_tokens: int = 32
+    max_observation_tokens: int = 128
+    waves: int = 2
+    worker_cpus: float = 0.5
+    worker_gpus: float = 0.0
+    engine_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = "grpo"
+    normalize_by_std: bool = True
+    eps: float = 1.0e-6
+    unbiased_std: bool = True
+    route_weights: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.3, 1.0])
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+
+
+@dataclass
+class LearnerResources:
+    num_cpus: Optional[float] = None
+    num_gpus: Optional[float] = None
+    memory: Optional[int] = None
+
+
+@dataclass
+class RetrievalConfig:
+    shards: int = 2
+    replicas: int = 1
+    routing: str = "round_robin"
+    replica_per_node: bool = False
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = False
+    epochs: int = 1
+    lr: float = 5.0e-6
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_seq_tokens: int = 1024
+    max_examples: Optional[int] = None
+    lora: Optional[LoraSettings] = None
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    questions: int = 0
+    temperature: float = 0.0
+    env_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    runtime: Literal["ray", "local"] = "ray"
+    method: str = "routerag"
+    reward: dict = field(default_factory=lambda: {"method": "routerag"})  # stage2_start defaults to 20
+    data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    learner: dict = field(default_factory=dict)
+    num_learners: int = 2
+    learner_resources: Optional[LearnerResources] = None
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the file (or override) and the dotted key."""
+
+
+def _cross_errors(c: dict) -> list[tuple[str, str]]:
+    """Consistency between sections: what one key means must fit what another says."""
+    errs = []
+    method, env_id, est = c["method"], c["env"]["id"], c["advantage"]["estimator"]
+    if c["reward"].get("method") != method:
+        errs.append(("reward.method", f"is {c['reward'].get('method')!r} but method is {method!r}; they must agree"))
+    if (method == "r1_router") != (env_id == STEPWISE_ENV):
+        errs.append(("env.id", f"method r1_router runs exactly on {STEPWISE_ENV} (got method {method!r}, env {env_id!r})"))
+    if (method == "r1_router") != (est == "step_grpo"):
+        errs.append(("advantage.estimator", f"step_grpo is R1-Router's estimator and R1-Router needs it (method {method!r}, estimator {est!r})"))
+    if est == "route" and c["reward"].get("method") != "pathrouter":
+        errs.append(("advantage.estimator", "route-conditioned advantages need the pathrouter reward (its C and P flags)"))
+    if c["advantage"]["dynamic_sampling"] and est == "step_grpo":
+        errs.append(("advantage.dynamic_sampling", "is defined over episode groups, not Step-GRPO's step groups"))
+    if c["advantage"]["max_sampling_rounds"] < 1:
+        errs.append(("advantage.max_sampling_rounds", "must be at least 1"))
+    if len(c["advantage"]["route_weights"]) != 4:
+        errs.append(("advantage.route_weights", "needs 4 weights (C↑P↑, C↑P↓, C↓P↑, C↓P↓)"))
+    loss = (c["learner"] or {}).get("loss") or {}
+    if loss.get("teacher_kl") and method == "r1_router":
+        errs.append(("learner.loss.teacher_kl", "the teacher KL reads single-transcript episodes; R1-Router has none"))
+    if method == "lws" and c["reward"].get("stage2_start") is None:
+        errs.append(("reward.stage2_start", "is required for lws"))
+    if method == "graphrag_r1" and c["reward"].get("phase3_start") is None:
+        errs.append(("reward.phase3_start", "is required for graphrag_r1"))
+    if c["runtime"] == "local":
+        for key in ("rollout.workers", "rollout.env_runners", "num_learners"):
+            value = get_path(c, key.split("."))
+            if value != 1:
+                errs.append((key, f"runtime local runs one engine and one learner in this process; set {key}=1 (got {value})"))
+    for key in ("run.steps", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_turn_tokens"):
+        if get_path(c, key.split(".")) < 1:
+            errs.append((key, "must be at least 1"))
+    ev = c["eval"]
+    if ev["every"] > 0 and ev["questions"] < 1:
+        errs.append(("eval.questions", "eval.every > 0 needs held-out questions (eval.questions ≥ 1)"))
+    if ev["every"] < 0 or ev["questions"] < 0:
+        errs.append(("eval.every", "eval.every and eval.questions must be non-negative"))
+    return errs
+
+
+# ----------------------------------------------------------------------------- merging and reporting
+
+_Problem = tuple[str, str, str]  # (source, dotted key, problem)
+_Source = tuple[str, Mapping]  # (name, the plain mapping it contributed)
+_ABSENT = object()
+
+
+def _field_type(dotted: str):
+    """The annotation of a fixed-section key (``TrainConfig`` itself for ""), or None."""
+    tp: Any = TrainConfig
+    for part in filter(None, dotted.split(".")):
+        cls = dataclass_in(tp)
+        tp = typing.get_type_hints(cls).get(part) if cls else None
+    return tp
+
+
+def _translate(exc: OmegaConfBaseException, leaf: str, tree: Mapping) -> tuple[str, str]:
+    """OmegaConf's error for merging ``leaf`` of a source as (dotted key, problem) in our wording."""
+    key = re.sub(r"\[\d+\]", "", exc.full_key or "") or leaf  # a list item's error is the list's
+    if isinstance(exc, ConfigKeyError):
+        parent, _, name = key.rpartition(".")
+        section = dataclass_in(_field_type(parent))
+        return leaf, unknown_key(leaf, name, parent, [f.name for f in dataclasses.fields(section)] if section else [])
+    value = get_path(tree, key.split("."))
+    expected = leaf_from_type(_field_type(key))
+    return key, f"must be {expected.describe() if expected else 'a section (a mapping)'}, got {value!r} ({type(value).__name__})"
+
+
+def _merge(cfg: DictConfig, name: str, tree: Mapping, problems: list[_Problem]) -> DictConfig:
+    """``cfg`` with ``tree`` merged over it; every key OmegaConf refuses becomes a problem."""
+    try:
+        return OmegaConf.merge(cfg, tree)
+    except (ValidationError, ConfigKeyError, ConfigTypeError):
+        pass  # OmegaConf stops at the first bad key: merge key by key to name every one
+    for leaf in leaf_paths(tree):
+        nested = get_path(tree, leaf.split("."))
+        for part in reversed(leaf.split(".")):
+            nested = {part: nested}
+        try:
+            cfg = OmegaConf.merge(cfg, nested)
+        except (ValidationError, ConfigKeyError, ConfigTypeError) as exc:
+            problems.append((name, *_translate(exc, leaf, tree)))
+    return cfg
+
+
+def _report(cfg: DictConfig, sources: Sequence[_Source], problems: list[_Problem]) -> None:
+    """Add the open-section and (if all else is valid) cross-section problems; raise if any."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    found = open_section_errors(c)
+    if not problems and not found:
+        found = _cross_errors(c)
+
+    def origin(key: str) -> str:
+        for parts in (key.split("."), key.split(".")[:1]):  # a cross-check key may be implied by its section
+            for name, tree in reversed(list(sources)):
+                if get_path(tree, parts, _ABSENT) is not _ABSENT:
+                    return name
+        return "defaults"
+
+    problems = problems + [(origin(k), k, p) for k, p in found]
+    if problems:
+        lines = [f"{src}: {p}" if p.startswith("unknown config key") else f"{src}: {k}: {p}" for src, k, p in problems]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> DictConfig:
+    return OmegaConf.structured(TrainConfig)  # slow to build (~50 ms), quick to copy
+
+
+def _build(sources: Sequence[_Source]) -> DictConfig:
+    """The defaults with each source merged over them in order, validated."""
+    cfg, problems = copy.deepcopy(_defaults()), []
+    for name, tree in sources:
+        cfg = _merge(cfg, name, tree, problems)
+    _report(cfg, sources, problems)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def to_plain(node) -> Any:
+    """A config node as plain Python (dicts, lists, scalars); scalars and None pass through."""
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
+
+
+def validate_config(cfg, sources: Sequence[_Source] = ()) -> None:
+    """Raise ``ConfigError`` listing every unknown, mistyped or inconsistent key of ``cfg``, a
+    ``load_config`` result (maybe edited since) or a plain mapping (merged over the defaults).
+    ``sources``, ``(name, mapping)`` pairs, say where a key came from (else: the defaults)."""
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is TrainConfig:
+        _report(cfg, sources, [])
+    else:
+        _build([("config", to_plain(cfg))])
+
+
+def config_from_dict(mapping: Mapping, source: str = "config") -> DictConfig:
+    """A validated config from a nested mapping over the defaults (for code that builds one);
+    errors name ``source``."""
+    return _build([(source, to_plain(mapping))])
+
+
+def load_config(path: Optional[str], overrides: Optional[list[str]] = None) -> DictConfig:
+    """Defaults <- YAML file <- ``key=value`` overrides, validated (see the module docstring)."""
+    sources: list[_Source] = []
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        plain = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+        if not isinstance(plain, dict):
+            raise ConfigError(f"{path}: a config file must be a mapping of sections")
+        sources.append((str(path), plain))
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ValueError(f"overrides must look like key=value, got {bad}")
+        sources.append(("override", OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)))
+    return _build(sources)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.config", description="Print a merged, validated training config.")
+    parser.add_argument("--config", help="a YAML file, e.g. experiments/configs/routerag_tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (OmegaConf dotlist)")
+    args = parser.parse_args(argv)
+    try:
+        print(OmegaConf.to_yaml(load_config(args.config, args.overrides)), end="")
+    except (ConfigError, FileNotFoundError) as exc:
+        sys.exit(str(exc))  # the message on stderr, exit status 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""What a run drives: rollout engines, environments, retrieval and the learner(s), behind one interface.
+
+Two runtimes, one interface (``Runtime``):
+
+- ``RayRuntime``: a ``RetrievalService`` per knowledge base (index shards + graph replicas),
+  ``RolloutWorker`` actors, ``EnvRunner`` actors and a DeepSpeed ``LearnerGroup``;
+- ``LocalRuntime`` (``runtime: local``): one engine, the in-process retrievers and one ``Learner``
+  in this process, for quick single-machine runs and tests.
+
+The recipe only calls ``rollout`` (episode requests in, ``Rollout`` records out, in request
+order), ``learners.update``, ``sync_weights``, the learners' checkpoint methods and ``shutdown``.
+Environments get ``retriever=`` or, when their constructor takes ``knowledge_bases`` (R1-Router's
+routing env), every knowledge base by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from envs.rollout import EpisodeRequest, RolloutConfig
+from raggym.rewards.r1_router import TABLE_KB, TEXT_KB
+from raggym.trajectory import Rollout
+
+# Golden trajectories label their knowledge bases "text" / "table"; the model names them so.
+GOLD_KB_NAMES = {"text": TEXT_KB, "table": TABLE_KB}
+
+
+class Runtime(Protocol):
+    tokenizer: Any
+    learners: Any
+
+    def rollout(self, requests: Sequence[EpisodeRequest], sampling, env_kwargs: dict | None = None) -> list[Rollout]: ...
+
+    def sync_weights(self) -> dict[str, float]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def takes_knowledge_bases(env_id: str) -> bool:
+    """Whether the registered env's constructor wants ``knowledge_bases`` rather than ``retriever``."""
+    import gymnasium
+
+    import envs  # noqa: F401  (registers the ids)
+
+    creator = gymnasium.spec(env_id).entry_point
+    if isinstance(creator, str):
+        from gymnasium.envs.registration import load_env_creator
+
+        creator = load_env_creator(creator)
+    return "knowledge_bases" in inspect.signature(creator).parameters
+
+
+def _rollout_config(cfg) -> RolloutConfig:
+    ro = cfg.rollout
+    return RolloutConfig(max_response_tokens=int(ro.max_response_tokens), max_turn_tokens=int(ro.max_turn_tokens),
+                         max_observation_tokens=int(ro.max_observation_tokens), waves=int(ro.waves))
+
+
+def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
+    from experiments.config import to_plain
+
+    kwargs = dict(to_plain(cfg.env.kwargs) or {}) if env_kwargs is None else dict(env_kwargs)
+    if multi_kb:
+        kwargs.setdefault("gold_knowledge_base_names", GOLD_KB_NAMES)
+    return kwargs
+
+
+def learner_config(cfg) -> dict:
+    from experiments.config import to_plain
+
+    return {"model": cfg.policy.model, "temperature": float(cfg.rollout.temperature), "seed": int(cfg.run.seed),
+            **(to_plain(cfg.learner) or {})}
+
+
+def engine_kwargs(cfg, *, in_process: bool) -> dict:
+    from experiments.config import to_plain
+
+    kwargs = {"model": cfg.policy.model, **(to_plain(cfg.rollout.engine_kwargs) or {})}
+    if cfg.rollout.engine == "hf" and not in_process:
+        kwargs.setdefault("num_threads", 1)  # several engine actors share the cores
+    return kwargs
+
+
+def make_runtime(cfg, index_dirs: dict[str, Path], corpus=None, *, with_learners: bool = True) -> Runtime:
+    """``index_dirs`` maps knowledge-base name -> index directory (one entry unless R1-Router)."""
+    cls = LocalRuntime if cfg.runtime == "local" else RayRuntime
+    return cls(cfg, index_dirs, corpus, with_learners=with_learners)
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+class LocalLearnerGroup:
+    """One in-process ``Learner`` behind the ``LearnerGroup`` interface the recipe uses."""
+
+    num_learners = 1
+
+    def __init__(self, config):
+        from actors.learner import Learner
+
+        self.learner = Learner(config)
+        self.config = self.learner.config
+        self.version = 0
+
+    def update(self, batch, step: int | None = None) -> dict[str, float]:
+        metrics = self.learner.update(batch, step)
+        self.version = self.learner.version
+        metrics["weight_version"] = float(self.version)
+        return metrics
+
+    def sync_weights(self, workers, dtype=None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        flat = self.learner.get_weights(dtype)
+        versions = [w.update_weights(flat, self.version) for w in workers]
+        if set(versions) != {self.version}:
+            raise RuntimeError(f"engines report weight versions {versions}, expected {self.version}")
+        return {"weight_version": float(self.version), "sync_seconds": time.perf_counter() - t0}
+
+    def save_checkpoint(self, out_dir: str, policy: bool = True) -> str:
+        return self.learner.save_checkpoint(out_dir, policy)
+
+    def load_checkpoint(self, in_dir: str) -> dict:
+        meta = self.learner.load_checkpoint(in_dir)
+        self.version = int(meta["version"])
+        self.learner.version = self.version
+        return meta
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InProcessRollouts:
+    """Episodes on an engine object and environments made in this process (``LocalBackend``).
+
+    ``make_env(questions, env_kwargs)`` returns one environment; ``env_kwargs`` is what the caller
+    passed to ``rollout`` (or None). The local runtime's rollouts, and the SFT check's.
+    """
+
+    def __init__(self, engine, tokenizer, make_env, config: RolloutConfig):
+        self.engine, self.tokenizer, self.make_env, self.config = engine, tokenizer, make_env, config
+
+    def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
+        from envs.rollout import LocalBackend, MultiTurnRollout
+
+        questions = [r.question for r in requests]
+        envs = [self.make_env(questions, env_kwargs) for _ in requests]
+        loop = MultiTurnRollout(LocalBackend(self.engine), self.tokenizer, sampling, self.config)
+        return loop.run(envs, list(requests))
+
+
+class LocalRuntime(InProcessRollouts):
+    """Engine, retrievers and learner in this process."""
+
+    def __init__(self, cfg, index_dirs: dict[str, Path], corpus=None, *, with_learners: bool = True):
+        import gymnasium
+
+        from actors.engines.rollout_worker import make_engine
+        from raggym.models import load_policy_tokenizer
+        from raggym.retrieval import Retriever
+
+        retrievers = {name: Retriever.load(str(path)) for name, path in index_dirs.items()}
+        multi_kb = takes_knowledge_bases(cfg.env.id)
+        sources = {"knowledge_bases": retrievers} if multi_kb else {"retriever": next(iter(retrievers.values()))}
+
+        def make_env(questions, env_kwargs):
+            return gymnasium.make(cfg.env.id, questions=questions, corpus=corpus, **sources,
+                                  **_env_kwargs(cfg, env_kwargs, multi_kb))
+
+        super().__init__(make_engine(cfg.rollout.engine, **engine_kwargs(cfg, in_process=True)),
+                         load_policy_tokenizer(cfg.policy.model), make_env, _rollout_config(cfg))
+        self.learners = LocalLearnerGroup(learner_config(cfg)) if with_learners else None
+
+    def sync_weights(self) -> dict[str, float]:
+        return self.learners.sync_weights([self.engine])
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------- Ray
+
+
+class RayRuntime:
+    """Retrieval services, rollout workers, env runners (one set per env-kwargs variant) and a
+    DeepSpeed learner group, as Ray actors; every actor is released by ``shutdown``."""
+
+    def __init__(self, cfg, index_dirs: dict[str, Path], corpus=None, *, with_learners: bool = True):
+        import ray
+
+        from actors.engines.rollout_worker import RolloutWorker
+        from actors.learner import LearnerGroup
+        from actors.retrieval_service import RESTARTS, start_retrieval_service
+        from experiments.config import to_plain
+        from raggym.models import load_policy_tokenizer
+
+        self.cfg, self.corpus = cfg, corpus
+        self.multi_kb = takes_knowledge_bases(cfg.env.id)
+        r, ro = cfg.retrieval, cfg.rollout
+        self.services, self._others = {}, []
+        for name, path in index_dirs.items():
+            service, shards, replicas = start_retrieval_service(str(path), num_replicas=int(r.replicas), routing=r.routing,
+                                                                replica_per_node=bool(r.replica_per_node))
+            self.services[name] = service
+            self._others += [*shards, *replicas]
+        Worker = RolloutWorker.as_remote(num_cpus=float(ro.worker_cpus), num_gpus=float(ro.worker_gpus), **RESTARTS)
+        self.workers = [Worker.remote(engine=ro.engine, **engine_kwargs(cfg, in_process=False))
+                        for _ in range(int(ro.workers))]
+        self.tokenizer = load_policy_tokenizer(cfg.policy.model)
+        self._runners: dict[str, list] = {}
+        self.runners(None)  # the training env's runners start with everything else
+        self.learners = None
+        if with_learners:
+            self.learners = LearnerGroup(learner_config(cfg), num_learners=int(cfg.num_learners),
+                                         resources=to_plain(cfg.learner_resources))
+        ray.get([w.ping.remote() for w in self.workers] + [x.ping.remote() for x in self.runners(None)])
+
+    def runners(self, env_kwargs: dict | None) -> list:
+        """The env runners for ``env_kwargs`` (default: ``env.kwargs``), started on first use."""
+        from actors.env_runner import EnvRunner
+        from actors.retrieval_service import RESTARTS
+
+        kwargs = _env_kwargs(self.cfg, env_kwargs, self.multi_kb)
+        key = json.dumps(kwargs, sort_keys=True, default=repr)
+        if key not in self._runners:
+            Runner = EnvRunner.as_remote(num_cpus=0.25, **RESTARTS)
+            services = self.services if self.multi_kb else next(iter(self.services.values()))
+            rollout_cfg = vars(_rollout_config(self.cfg))
+            self._runners[key] = [Runner.remote(self.cfg.env.id, services, self.workers, self.cfg.policy.model, kwargs,
+                                                rollout_cfg) for _ in range(max(1, int(self.cfg.rollout.env_runners)))]
+        return self._runners[key]
+
+    @property
+    def service(self):
+        """The (first) retrieval service, for callers that retrieve directly (retrieve-then-read)."""
+        return next(iter(self.services.values()))
+
+    def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
+        import ray
+
+        runners = self.runners(env_kwargs)
+        n = len(runners)
+        chunks = [list(requests[i::n]) for i in range(n)]
+        refs = [runner.rollout.remote(chunk, sampling, self._gold_passages(chunk))
+                for runner, chunk in zip(runners, chunks) if chunk]
+        per_chunk = ray.get(refs)
+        # Runner i got requests i, i+n, ...: interleave the per-request lists back into request order.
+        per_request: list[list[Rollout]] = [None] * len(requests)  # type: ignore[list-item]
+        for i, episodes in enumerate(per_chunk):
+            for j, rollouts in enumerate(episodes):
+                per_request[i + j * n] = rollouts
+        if any(r is None for r in per_request):
+            raise RuntimeError(f"expected rollouts for {len(requests)} episode requests, some are missing")
+        return [rollout for rollouts in per_request for rollout in rollouts]
+
+    def _gold_passages(self, requests) -> list[dict]:
+        if self.corpus is None:
+            return []
+        questions = {r.question.id: r.question for r in requests}.values()
+        return [self.corpus.by_id(pid).as_dict() for q in questions for pid in q.gold_passage_ids if pid in self.corpus]
+
+    def sync_weights(self) -> dict[str, float]:
+        return self.learners.sync_weights(self.workers)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.learners is not None:
+            self.learners.shutdown()
+        runners = [r for group in self._runners.values() for r in group]
+        for actor in [*runners, *self.workers, *self.services.values(), *self._others]:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+

@@ -1,0 +1,113 @@
+"""From ``Rollout`` records to the learner's ``TrainBatch``: padding, filler rows, teacher inputs.
+
+Pure functions of token lists and tensors (no model, no Ray). The batch format is described in
+``actors.learner``'s module docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+TrainBatch = dict[str, torch.Tensor]
+
+
+def _pad_rows(rows: Sequence[Sequence[float]], n: int, width: int, dtype) -> torch.Tensor:
+    out = torch.zeros((n, width), dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(list(row), dtype=dtype)
+    return out
+
+
+def make_train_batch(
+    token_ids: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    advantages: Sequence[float] | Sequence[Sequence[float]],
+    old_logprobs: Sequence[Sequence[float]] | None = None,
+    pad_token_id: int = 0,
+    sampled_logprobs: Sequence[Sequence[float]] | None = None,
+) -> TrainBatch:
+    """Right-pad Python lists into a ``TrainBatch`` (token-level advantages are padded with 0)."""
+    n = len(token_ids)
+    optional = {"old_logprobs": old_logprobs, "sampled_logprobs": sampled_logprobs}
+    if not (len(loss_masks) == len(advantages) == n) or any(v is not None and len(v) != n for v in optional.values()):
+        raise ValueError("token_ids, loss_masks, advantages (and logprobs) need one entry per sequence")
+    width = max(len(t) for t in token_ids)
+    ids = torch.full((n, width), int(pad_token_id), dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    for i, (t, m) in enumerate(zip(token_ids, loss_masks)):
+        if len(m) != len(t):
+            raise ValueError(f"sequence {i}: {len(t)} tokens but {len(m)} loss-mask entries")
+        ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
+        attn[i, : len(t)] = 1
+    batch: TrainBatch = {"token_ids": ids, "attention_mask": attn,
+                         "loss_mask": _pad_rows(loss_masks, n, width, torch.float32)}
+    if advantages and isinstance(advantages[0], (list, tuple)):
+        batch["advantages"] = _pad_rows(advantages, n, width, torch.float32)
+    else:
+        batch["advantages"] = torch.tensor([float(a) for a in advantages], dtype=torch.float32)
+    for key, rows in optional.items():
+        if rows is not None:
+            batch[key] = _pad_rows(rows, n, width, torch.float32)
+    return batch
+
+
+def assemble_batch(rollouts: Sequence, advantages: Sequence[float], pad_token_id: int, multiple: int,
+                   extra: TrainBatch | None = None) -> tuple[TrainBatch, int]:
+    """A ``TrainBatch`` of ``rollouts`` padded with masked-out filler rows to a multiple of the
+    mini-batch size; returns ``(batch, number of filler rows)``.
+
+    The rollouts' sampled logprobs travel along, so the learner can log their drift from its own.
+    A filler row (a copy of row 0 with loss mask, advantage and teacher mask zeroed) adds nothing
+    to any loss term or to the token/sequence counts the aggregation divides by, so the update
+    equals one on the real rows; it only lets any number of sequences split into mini-batches
+    (Step-GRPO's per-step sequences, DAPO's filtered groups).
+    """
+    batch = make_train_batch([r.token_ids for r in rollouts], [r.loss_mask for r in rollouts], list(advantages),
+                             pad_token_id=pad_token_id, sampled_logprobs=[r.sampled_logprobs for r in rollouts])
+    batch.update(extra or {})
+    n = len(rollouts)
+    pad = (-n) % max(1, multiple)
+    if pad:
+        batch = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:]).clone()]) for k, v in batch.items()}
+        for key in ("loss_mask", "advantages", "teacher_kl_mask"):
+            if key in batch:
+                batch[key][n:] = 0
+    return batch, pad
+
+
+def teacher_fields(rollouts: Sequence, tokenizer, max_evidence_tokens: int) -> TrainBatch:
+    """PathRouter's teacher inputs: the same trajectory behind a prompt that shows the gold evidence.
+
+    The teacher prompt is the episode's prompt preceded by the gold passages (capped at
+    ``max_evidence_tokens`` tokens) in the chat template; the response tokens are the student's,
+    so student token ``t ≥ prompt_length`` is teacher token ``len(teacher prompt) + t − prompt_length``.
+    ``evidence_overlap`` is read from each rollout's outcome (computed once there).
+    """
+    from raggym.algorithms.spans import teacher_kl_mask_from_labels
+    from raggym.trajectory import chat_prompt_ids
+
+    rows, positions, masks = [], [], []
+    for r in rollouts:
+        gold = list(r.outcome.gold_passages)
+        evidence_ids = tokenizer("\n".join(gold), add_special_tokens=False)["input_ids"][:max_evidence_tokens]
+        evidence = tokenizer.decode(evidence_ids, skip_special_tokens=True)
+        prompt = chat_prompt_ids(tokenizer, f"Evidence:\n{evidence}\n\n{r.episode.get('prompt', '')}")
+        p = int(r.prompt_length)
+        response = list(r.token_ids[p:])
+        rows.append(prompt + response)
+        positions.append([-1] * p + [len(prompt) + i for i in range(len(response))])
+        masks.append(np.asarray(teacher_kl_mask_from_labels(r.span_labels), dtype=np.float32))
+    n, width, student = len(rows), max(len(r) for r in rows), max(len(r.token_ids) for r in rollouts)
+    ids = torch.full((n, width), int(tokenizer.pad_token_id), dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    pos = torch.full((n, student), -1, dtype=torch.long)
+    for i, (row, p) in enumerate(zip(rows, positions)):
+        ids[i, : len(row)] = torch.tensor(row)
+        attn[i, : len(row)] = 1
+        pos[i, : len(p)] = torch.tensor(p)
+    return {"teacher_token_ids": ids, "teacher_attention_mask": attn, "teacher_positions": pos,
+            "teacher_kl_mask": _pad_rows(masks, n, student, torch.float32),
+            "evidence_overlap": torch.tensor([r.outcome.evidence_overlap for r in rollouts], dtype=torch.float32)}
