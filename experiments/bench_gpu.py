@@ -343,13 +343,13 @@ def build_retrieval_table(path: str, episodes: int, top_k: int) -> None:
 
 
 def section_rollout(args) -> dict:
+    if not args.retrieval_table:
+        raise RuntimeError("the rollout section needs --retrieval-table (make one with --build-retrieval-table)")
     from actors.engines.base import SamplingParams
     from actors.engines.hf import HFEngine
     from envs import RagSearchEnv
     from raggym.data.types import Question
 
-    if not args.retrieval_table:
-        raise RuntimeError("the rollout section needs --retrieval-table (make one with --build-retrieval-table)")
     LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids, run = _rollout_api()
     table = json.loads(Path(args.retrieval_table).read_text())
     all_questions = [Question.from_dict(d) for d in table["questions"]]
@@ -534,7 +534,8 @@ def section_logprobs(args) -> dict:
     weight = (torch.randn(vocab, width, generator=g, device=dev, dtype=torch.float32) * 0.02).to(dtype).requires_grad_()
     variants = [("full", None)] + [(f"chunked_{c}", c) for c in args.logprob_chunks]
     out = {"vocab": vocab, "hidden": width, "dtype": str(dtype), "rows": []}
-    for batch, seq in ([(2, 16), (4, 8)] if args.tiny else args.logprob_shapes):
+    shapes = [tuple(int(x) for x in spec.split("x")) for spec in args.logprob_shapes]
+    for batch, seq in ([(2, 16), (4, 8)] if args.tiny else shapes):
         hidden = torch.randn(batch, seq, width, generator=g, device=dev, dtype=torch.float32).to(dtype).requires_grad_()
         ids = torch.randint(0, vocab, (batch, seq), generator=g, device=dev)
         upstream = torch.randn(batch, seq, generator=g, device=dev)
@@ -948,8 +949,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=2, help="timed updates per micro-batch size (after one warm-up)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM: 989)")
-    p.add_argument("--logprob-shapes", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="+",
-                   default=[(2, 2048), (8, 2048), (32, 1024)], help="BATCHxSEQ for the log-prob section")
+    p.add_argument("--logprob-shapes", nargs="+", default=["2x2048", "8x2048", "32x1024"],
+                   help="BATCHxSEQ for the log-prob section")
     p.add_argument("--logprob-chunks", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--ppr-graph", help="npz from --save-ppr-graph; without it the graph is built here")
     p.add_argument("--ppr-passages", type=int, default=760_000, help="synthetic passages (760k gives 1.02M nodes)")

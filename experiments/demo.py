@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RL_CONFIG = REPO / "experiments" / "configs" / "routerag_tiny.yaml"
+RL_CONFIG = REPO / "experiments" / "configs" / "demo_grpo.yaml"  # the GRPO step's settings
 
 
 def _say(msg: str, quiet: bool) -> None:
@@ -113,18 +113,17 @@ def run_pipeline(args) -> dict | int:
     # 5. two-stage RouteRAG GRPO -------------------------------------------------------------
     t0 = time.perf_counter()
     run_dir = out / "grpo"
-    overrides = [
-        f"run.out_dir={run_dir}", f"run.steps={args.rl_steps}", f"run.seed={args.seed}", "run.dump_trajectories=true",
-        f"reward.stage2_start={args.stage2_start}", f"policy.model={sft['policy_dir']}",
-        "data.source=files", f"data.corpus={wdir / 'corpus.jsonl'}", f"data.questions={wdir / 'train_questions.jsonl'}",
-        f"data.openie={wdir / 'openie.json'}", f"data.index_dir={index_dir}",
-        f"rollout.prompts_per_step={args.prompts_per_step}", f"rollout.group_size={args.group_size}",
-        f"learner.optimizer.lr={args.rl_lr}", f"learner.mini_batch_size={args.prompts_per_step * args.group_size}",
-        "learner.micro_batch_size=4", "learner.num_threads=2", "rollout.workers=2", "rollout.waves=2",
-        f"rollout.max_response_tokens={args.eval_response_tokens}", f"rollout.max_turn_tokens={args.turn_tokens}",
-        "rollout.max_observation_tokens=64", "env.kwargs.top_k=2", "env.kwargs.retrieval_budget=2",
-        "retrieval.shards=2", "ray.num_cpus=8", *args.overrides,
-    ]
+    overrides = [f"run.out_dir={run_dir}", f"run.seed={args.seed}", f"policy.model={sft['policy_dir']}",
+                 f"data.corpus={wdir / 'corpus.jsonl'}", f"data.questions={wdir / 'train_questions.jsonl'}",
+                 f"data.openie={wdir / 'openie.json'}", f"data.index_dir={index_dir}",
+                 f"rollout.max_response_tokens={args.eval_response_tokens}", f"rollout.max_turn_tokens={args.turn_tokens}"]
+    given = {"run.steps": args.rl_steps, "reward.stage2_start": args.stage2_start, "learner.optimizer.lr": args.rl_lr,
+             "rollout.prompts_per_step": args.prompts_per_step, "rollout.group_size": args.group_size}
+    overrides += [f"{key}={value}" for key, value in given.items() if value is not None]
+    if args.prompts_per_step is not None or args.group_size is not None:  # keep one optimizer step per RL step
+        base = load_config(str(RL_CONFIG), overrides).rollout
+        overrides.append(f"learner.mini_batch_size={base.prompts_per_step * base.group_size}")
+    overrides += list(args.overrides)
     cfg = load_config(str(RL_CONFIG), overrides)
     train(cfg)
     lap("grpo", t0)
@@ -140,7 +139,8 @@ def run_pipeline(args) -> dict | int:
             "policy": args.policy, "world": f"seed {args.seed}, {args.entities} entities, max {args.max_hops} hops",
             "passages": len(world.corpus), "train questions": len(train_q), "held-out questions": len(heldout_q),
             "SFT": f"{sft['examples']} golden episodes, {sft['steps']} steps, loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f}",
-            "GRPO": f"{args.rl_steps} steps (stage 2 from step {args.stage2_start}), {args.prompts_per_step} prompts x G={args.group_size}",
+            "GRPO": f"{cfg.run.steps} steps (stage 2 from step {cfg.reward.stage2_start}), "
+                    f"{cfg.rollout.prompts_per_step} prompts x G={cfg.rollout.group_size}",
             "seconds": timings}
     report = write_report(out, evaluations=evaluations, train_metrics=metrics, trajectory_dir=run_dir / "trajectories", meta=meta)
     lap("report", t0)

@@ -71,7 +71,7 @@ def train(cfg) -> dict:
     if sft is not None:
         cfg.policy.model = str(sft["policy_dir"])  # RL starts from the SFT policy
     schedule = reward_schedule(cfg)
-    golden_steps = golden_steps_for(cfg)  # Step-GRPO: teacher-forced step groups
+    golden_steps = golden_steps_for(cfg, data.questions)  # Step-GRPO: teacher-forced step groups
     from actors.learner import LearnerConfig
 
     mini_batch = LearnerConfig.from_dict(learner_config(cfg)).mini_batch_size

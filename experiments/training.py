@@ -86,8 +86,12 @@ def episode_requests(questions: Sequence, tag: str, group_size: int, golden_step
     return requests
 
 
-def golden_steps_for(cfg):
-    """Step-GRPO is defined over teacher-forced steps: the env class lists them; else None."""
+def golden_steps_for(cfg, questions: Sequence = ()):
+    """Step-GRPO is defined over teacher-forced steps: the env class lists them; else None.
+
+    Every training question is checked up front, so data without golden steps fails before any
+    actor starts, with an error naming the question (never a silent reward against a None gold).
+    """
     if cfg.advantage.estimator != "step_grpo":
         return None
     import gymnasium
@@ -99,6 +103,8 @@ def golden_steps_for(cfg):
     creator = load_env_creator(creator) if isinstance(creator, str) else creator
     if not hasattr(creator, "golden_step_options"):
         raise ConfigError(f"advantage.estimator: step_grpo needs an env with golden_step_options; {cfg.env.id} has none")
+    for q in questions:
+        creator.golden_step_options(q)
     return creator.golden_step_options
 
 

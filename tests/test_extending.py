@@ -17,9 +17,9 @@ def _blocks():
     return [code for is_setup, code in blocks if is_setup], [code for is_setup, code in blocks if not is_setup]
 
 
-def test_the_doc_has_its_setup_and_four_examples():
+def test_the_doc_has_its_setup_and_five_examples():
     setup, examples = _blocks()
-    assert len(setup) == 1 and len(examples) == 4
+    assert len(setup) == 1 and len(examples) == 5
     # the fixtures handed to the examples are exactly what the setup block builds
     assert "generate_world(seed=7, n_entities=300, n_questions=60)" in setup[0]
     assert "Retriever.build(world.corpus, openie=world.openie)" in setup[0]
@@ -48,6 +48,17 @@ def test_doc_example_runs(index, title, small_world, small_world_retriever, clea
     _, examples = _blocks()
     namespace = {"world": small_world, "retriever": small_world_retriever, "__name__": f"extending_{title}"}
     exec(compile(examples[index], f"{DOC}#{title}", "exec"), namespace)
+
+
+def test_doc_training_example_runs_one_real_step(small_world, small_world_retriever, clean_registries):
+    """Section 5: train() with the custom reward, environment and engine of sections 2-4."""
+    import torch
+
+    torch.set_num_threads(2)
+    _, examples = _blocks()
+    namespace = {"world": small_world, "retriever": small_world_retriever, "__name__": "extending_training"}
+    for index, title in ((1, "reward"), (2, "environment"), (3, "engine"), (4, "training")):
+        exec(compile(examples[index], f"{DOC}#{title}", "exec"), namespace)
 
 
 def test_registration_hooks_refuse_builtin_names():

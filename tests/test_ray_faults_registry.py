@@ -10,6 +10,7 @@ ray = pytest.importorskip("ray")
 from actors.engines.base import SamplingParams  # noqa: E402
 from actors.engines.rollout_worker import RolloutWorker  # noqa: E402
 from actors.env_runner import EnvRunner  # noqa: E402
+from envs.rollout import EpisodeRequest  # noqa: E402
 from actors.retrieval_service import RESTARTS, start_retrieval_service  # noqa: E402
 from raggym.retrieval import Retriever  # noqa: E402
 
@@ -37,9 +38,9 @@ def test_killing_a_shard_a_runner_and_a_worker_mid_iteration_loses_nothing(ray_s
     runner = Runner.remote("raggym/SearchR1-v0", service, workers, "smollm2-135m", {"top_k": 2}, cfg)
     ray.get([w.ping.remote() for w in workers] + [runner.ping.remote()])
     questions = small_world.questions[:2]
-    items = [(q, f"0:{q.id}", g) for q in questions for g in range(2)]
-    args = ([q.as_dict() for q, _, _ in items], [gid for _, gid, _ in items], [g for _, _, g in items], SamplingParams(seed=5))
-    reference = ray.get(runner.rollout.remote(*args))
+    requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in questions for g in range(2)]
+    args = (requests, SamplingParams(seed=5))
+    reference = [r for episode in ray.get(runner.rollout.remote(*args)) for r in episode]
 
     pending = runner.rollout.remote(*args)
     time.sleep(2.0)
@@ -47,12 +48,12 @@ def test_killing_a_shard_a_runner_and_a_worker_mid_iteration_loses_nothing(ray_s
     ray.kill(shards[1], no_restart=False)  # an index shard dies
     time.sleep(1.0)
     ray.kill(runner, no_restart=False)  # the env runner dies: its call is retried on the restarted actor
-    result = ray.get(pending, timeout=600)
+    result = [r for episode in ray.get(pending, timeout=600) for r in episode]
 
-    keys = [(t["group_id"], t["sample_index"]) for t in result]
-    assert sorted(keys) == sorted((gid, g) for _, gid, g in items)  # nothing lost, nothing duplicated
+    keys = [(t.prompt_id, t.sample_index) for t in result]
+    assert sorted(keys) == sorted((r.prompt_id, r.sample_index) for r in requests)  # nothing lost, nothing duplicated
     # the retried iteration is the same iteration: seeded sampling reproduces every episode
-    assert [t["token_ids"] for t in result] == [t["token_ids"] for t in reference]
+    assert [t.token_ids for t in result] == [t.token_ids for t in reference]
     assert ray.get(service.retrieve.remote(["the director"], "passage", 2))[0].hits  # the shard came back
 
 

@@ -127,7 +127,7 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
         assert len(rows) == 4  # 2 prompts x G=2
         for t in rows:
             labels, mask = t["span_labels"], t["loss_mask"]
-            assert len(labels) == len(mask) == len(t["token_ids"]) == len(t["rollout_logprobs"])
+            assert len(labels) == len(mask) == len(t["token_ids"]) == len(t["sampled_logprobs"])
             for lab, m in zip(labels, mask):
                 assert m == (0 if lab in (SpanLabel.PROMPT, SpanLabel.OBSERVATION) else 1)
             assert all(lab == SpanLabel.PROMPT for lab in labels[: t["prompt_length"]])
@@ -144,10 +144,11 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
             assert spans == [x["token_ids"] for x in t["turns"]]
             assert [tok.decode(s) for s in spans] == [x["text"] for x in t["turns"]]
             assert sum(mask) <= 32
-        outcomes = [EpisodeOutcome.from_dict(t["episode"]) for t in rows]
+        outcomes = [EpisodeOutcome.from_dict(t["outcome"]) for t in rows]
+        assert outcomes == [EpisodeOutcome.from_dict(t["episode"]) for t in rows]  # the record and its outcome agree
         rewards = schedule(step - 1)(outcomes)
         np.testing.assert_allclose([t["reward"] for t in rows], rewards, atol=1e-9)
-        adv = grpo_advantages(torch.tensor(rewards, dtype=torch.float32), [t["group_id"] for t in rows])
+        adv = grpo_advantages(torch.tensor(rewards, dtype=torch.float32), [t["prompt_id"] for t in rows])
         np.testing.assert_allclose([t["advantage"] for t in rows], adv.numpy(), atol=1e-6)
 
 

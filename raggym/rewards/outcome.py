@@ -235,7 +235,7 @@ class EpisodeOutcome:
             prompt_id=str(pick("prompt_id", "question_id", default="")),
             response_text=str(pick("response_text", default="")),
             steps=tuple(pick("steps", default=())),
-            env_reward=None if pick("reward") is None else float(pick("reward")),
+            env_reward=None if pick("env_reward", "reward") is None else float(pick("env_reward", "reward")),
         )
 
     def as_dict(self) -> dict[str, Any]:
