@@ -56,9 +56,9 @@ import time
 import traceback
 from pathlib import Path
 
-SECTIONS = ("engine_smollm2", "engine_qwen1.5b", "rollout", "learner", "torch_adamw", "logprobs", "ppr", "smoke", "deepspeed_ops")
+SECTIONS = ("engine_smollm2", "engine_qwen1.5b", "engine_profile", "rollout", "learner", "torch_adamw", "logprobs", "ppr", "smoke", "deepspeed_ops")
 # Per-section wall-clock limits (seconds) when run as subprocesses; each is also capped by --deadline.
-SECTION_LIMITS = {"engine_smollm2": 200, "engine_qwen1.5b": 200, "rollout": 240, "learner": 300, "torch_adamw": 240,
+SECTION_LIMITS = {"engine_smollm2": 200, "engine_qwen1.5b": 200, "engine_profile": 200, "rollout": 240, "learner": 300, "torch_adamw": 240,
                   "logprobs": 150, "ppr": 300, "smoke": 240, "deepspeed_ops": 300}
 
 # Qwen2.5 shapes written out (no hub access on the GPU machine). Both tie input and output embeddings.
@@ -220,23 +220,36 @@ def bench_engine(args, engine, label: str) -> dict:
     rows = []
     batches = [1, 4] if args.tiny else args.engine_batches
     variants = [(b, 1) for b in batches] + [(max(batches), None)]  # seed None: one global random stream
+    apply_sdpa_choice(args)
     for batch, seed in variants:
         prompts = torch.randint(100, vocab, (batch, prompt_len), generator=g).tolist()
         sampling = SamplingParams(temperature=1.0, seed=seed)
-        engine.generate(prompts, sampling, (), 4)  # warm-up at this shape
+        engine.generate(prompts, sampling, (), 4)  # warm-up: model load, kernels of the prefill shape
         reset_peak(args)
-        t = time.perf_counter()
-        results = engine.generate(prompts, sampling, (), new_tokens)
-        synchronize(args)
-        seconds = time.perf_counter() - t
-        tokens = sum(len(r.token_ids) for r in results)
-        row = {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "per_prompt_seed": seed is not None,
-               "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-               "ms_per_decode_step": round(1000 * seconds / new_tokens, 2), **memory(args)}
+        row = {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "per_prompt_seed": seed is not None}
+        # The first call meets every cache length for the first time at this batch size; the
+        # repeat meets them again. They differ when a kernel is planned per shape.
+        for run in ("first", "repeat"):
+            t = time.perf_counter()
+            results = engine.generate(prompts, sampling, (), new_tokens)
+            synchronize(args)
+            seconds = time.perf_counter() - t
+            tokens = sum(len(r.token_ids) for r in results)
+            row.update({f"{run}_seconds": round(seconds, 3), f"{run}_tokens_per_s": round(tokens / seconds, 1),
+                        f"{run}_ms_per_decode_step": round(1000 * seconds / new_tokens, 2)})
+        row.update(memory(args))
         rows.append(row)
         log(f"{label}: {json.dumps(row)}")
     return {"model": label, "dtype": str(next(engine.model.parameters()).dtype),
+            "cudnn_sdpa": None if args.device != "cuda" else torch.backends.cuda.cudnn_sdp_enabled(),
             "parameters": parameter_count(engine.model), "rows": rows}
+
+
+def apply_sdpa_choice(args) -> None:
+    # cuDNN's attention backend plans each new shape; a decode loop meets a new cache length every
+    # step, so the first pass over the lengths runs about 3x slower (measured in docs/benchmarks.md).
+    if args.device == "cuda" and args.disable_cudnn_sdpa:
+        _torch().backends.cuda.enable_cudnn_sdp(False)
 
 
 def section_engine_smollm2(args) -> dict:
@@ -353,6 +366,7 @@ def section_rollout(args) -> dict:
     LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids, run = _rollout_api()
     table = json.loads(Path(args.retrieval_table).read_text())
     all_questions = [Question.from_dict(d) for d in table["questions"]]
+    apply_sdpa_choice(args)
     engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
     eos = set(engine.eos_token_ids)
     cfg = RolloutConfig(max_response_tokens=96, max_turn_tokens=48, max_observation_tokens=96, waves=1)
@@ -392,7 +406,7 @@ def section_rollout(args) -> dict:
                "ratio": round((multi_tokens / multi_seconds) / (plain_tokens / plain_seconds), 3)}
         rows.append(row)
         log(f"rollout: {json.dumps(row)}")
-    return {"model": "SmolLM2-135M-Instruct", "dtype": str(compute_dtype(args)), "config": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
+    return {"model": "SmolLM2-135M-Instruct", "dtype": str(compute_dtype(args)), "cudnn_sdpa_disabled": bool(args.disable_cudnn_sdpa), "config": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
             "retrieval": table["source"], "rows": rows}
 
 
@@ -565,8 +579,9 @@ def section_logprobs(args) -> dict:
                 if reference is None and chunk is None:
                     reference = got
                 elif reference is not None:
-                    row["max_abs_diff_vs_full"] = {k: float((a.float() - b.float()).abs().max())
-                                                   for k, a, b in zip(("logprobs", "grad_hidden", "grad_weight"), got, reference)}
+                    names = ("logprobs", "grad_hidden", "grad_weight")
+                    row["max_abs_diff_vs_full"] = {k: float((a.float() - b.float()).abs().max()) for k, a, b in zip(names, got, reference)}
+                    row["max_abs_of_full"] = {k: float(b.float().abs().max()) for k, b in zip(names, reference)}
                 del got
             except Exception as exc:  # noqa: BLE001
                 row["error"] = short_error(exc)
@@ -677,10 +692,117 @@ def section_ppr(args) -> dict:
         eng = engines["cuda"]
         per_iter = out[f"cuda_batch{first}"]["seconds_per_batch"] / out[f"cuda_batch{first}"]["iterations"]
         out["cuda_copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+        out["cuda_breakdown_batch64"] = ppr_cuda_breakdown(eng, hipporag_like_resets(graph_like, first, seed=1))
         out["cuda_fraction_of_memory_bound"] = {
             "rows_reused": round(eng.bytes_per_iteration(first) / bandwidth / per_iter, 3),
             "one_row_per_nonzero": round(eng.bytes_per_iteration(first, row_reuse=False) / bandwidth / per_iter, 3)}
     return out
+
+
+def ppr_cuda_breakdown(eng, reset) -> dict:
+    """Where one CUDA PPR run spends its time: host preparation, the SpMM, the teleport add, the copy back."""
+    torch = _torch()
+
+    def sync():
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn, repeats: int) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        return round(1000 * statistics.median(times), 3)
+
+    with torch.inference_mode():
+        _, c = eng._teleport(reset)
+        add = eng._teleport_adder(c)
+        y, spare = c.clone(), torch.zeros_like(c)
+        return {
+            "reset_to_device_ms": timed(lambda: eng._teleport(reset), 3),
+            "spmm_addmm_out_ms": timed(lambda: torch.addmm(spare, eng.matrix, y, beta=0.0, out=spare), 10),
+            "spmm_matmul_new_tensor_ms": timed(lambda: eng.matrix @ y, 10),
+            "teleport_add_ms": timed(lambda: add(spare), 10),
+            "scores_to_host_ms": timed(lambda: y.T.cpu().numpy(), 3),
+            "index_dtype": str(eng.matrix.col_indices().dtype),
+        }
+
+
+# ----------------------------------------------------------------------------- 1c. engine step profile
+
+
+def section_engine_profile(args) -> dict:
+    """Per decode step of HFEngine on the Qwen2.5-1.5B shape: the model forward vs the sampling around it."""
+    torch = _torch()
+    from transformers import DynamicCache
+
+    from actors.engines.base import SamplingParams
+    from actors.engines.hf import HFEngine, process_logits
+
+    model = random_causal_lm(model_shape(args, QWEN25_1_5B), compute_dtype(args), args.device)
+    engine = HFEngine(model, load_tokenizer(args), device=args.device)
+    engine.eos_token_ids = set()
+    steps = 8 if args.tiny else 64
+    g = torch.Generator().manual_seed(0)
+    dev = engine.device
+
+    def per_step_ms(fn, repeats=3) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            synchronize(args)
+            t = time.perf_counter()
+            fn()
+            synchronize(args)
+            times.append(time.perf_counter() - t)
+        return round(1000 * statistics.median(times) / steps, 2)
+
+    rows = []
+    for batch in ([1, 4] if args.tiny else [1, 128]):
+        vocab = min(len(engine.tokenizer), model.config.vocab_size)
+        prompts = torch.randint(100, vocab, (batch, 16 if args.tiny else 128), generator=g).to(dev)
+        attention = torch.ones_like(prompts)
+
+        @torch.inference_mode()
+        def forward_only():
+            # The engine's own sequence of model calls (prefill, then one token per step), nothing else.
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=prompts, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1),
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+            tokens = out.logits[:, -1].argmax(-1)
+            attn, pos = attention, attention.sum(-1)
+            for _ in range(steps):
+                attn = torch.cat([attn, attn.new_ones((batch, 1))], dim=-1)
+                out = model(input_ids=tokens[:, None], attention_mask=attn, position_ids=pos[:, None], past_key_values=cache, use_cache=True)
+                tokens, pos = out.logits[:, -1].argmax(-1), pos + 1
+
+        logits = torch.randn(batch, model.config.vocab_size, device=dev)
+        seeded = engine._generators(SamplingParams(seed=1), batch)
+
+        def sample(gens):
+            def run():
+                for _ in range(steps):
+                    logp = process_logits(logits, SamplingParams())
+                    engine._draw(logp, gens).tolist()
+            return run
+
+        ids = prompts.tolist()
+        row = {"batch": batch, "steps": steps,
+               "generate_seeded_ms_per_step": per_step_ms(lambda: engine.generate(ids, SamplingParams(seed=1), (), steps), 1),
+               "generate_unseeded_ms_per_step": per_step_ms(lambda: engine.generate(ids, SamplingParams(seed=None), (), steps), 1),
+               "model_forward_ms_per_step": per_step_ms(forward_only),
+               "sampling_seeded_ms_per_step": per_step_ms(sample(seeded)),
+               "sampling_unseeded_ms_per_step": per_step_ms(sample(None))}
+        rows.append(row)
+        log(f"engine_profile: {json.dumps(row)}")
+    return {"model": "Qwen2.5-1.5B shape (random weights)" if not args.tiny else "tiny Qwen2 shape",
+            "note": "generate_* include the prefill (amortised over the steps); model_forward repeats the engine's model calls "
+                    "with argmax instead of sampling; sampling_* are process_logits + HFEngine._draw + .tolist() on fixed logits",
+            "rows": rows}
 
 
 # ----------------------------------------------------------------------------- 5. smoke
@@ -746,7 +868,14 @@ def section_deepspeed_ops(args) -> dict:
     from deepspeed.ops.adam import FusedAdam
     from deepspeed.ops.op_builder import FusedAdamBuilder
 
-    out = {"nvcc": shutil.which("nvcc")}
+    out = {"nvcc": shutil.which("nvcc"), "torch_cuda_arch_list_env": os.environ.get("TORCH_CUDA_ARCH_LIST")}
+    arch = out["torch_cuda_arch_list_env"] or ""
+    if any(not part.split("+")[0].replace(".", "").isdigit() for part in arch.replace(" ", ";").split(";") if part):
+        # DeepSpeed 0.19.8's JIT builder parses each entry as digits ("9.0a" raises ValueError on
+        # "0a"); build for this device's plain capability instead and say so.
+        major, minor = torch.cuda.get_device_capability()
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+        out["torch_cuda_arch_list_used"] = os.environ["TORCH_CUDA_ARCH_LIST"]
     t = time.perf_counter()
     FusedAdamBuilder().load()
     out["build_or_load_seconds"] = round(time.perf_counter() - t, 1)
@@ -771,6 +900,11 @@ def device_info(args) -> dict:
     import importlib.metadata as md
 
     info: dict = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
+    try:
+        info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                                  if line.startswith("model name")), None)
+    except OSError:
+        info["cpu_model"] = None
     for pkg in ("torch", "transformers", "deepspeed", "numpy"):
         try:
             info[pkg] = md.version(pkg)
@@ -780,6 +914,7 @@ def device_info(args) -> dict:
         torch = _torch()
         info["cuda_device"] = torch.cuda.get_device_name(0)
         info["torch_cuda"] = torch.version.cuda
+        info["env"] = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_CUDA_ARCH_LIST")}
         for key, cmd in (("nvidia_smi", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]),
                          ("nvcc", ["nvcc", "--version"])):
             try:
@@ -795,6 +930,8 @@ def run_section(args, name: str, shape: tuple[int, list[int]] | None):
         return section_engine_smollm2(args)
     if name == "engine_qwen1.5b":
         return section_engine_qwen(args)
+    if name == "engine_profile":
+        return section_engine_profile(args)
     if name == "rollout":
         return section_rollout(args)
     if name == "learner":
@@ -941,6 +1078,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-batches", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--disable-cudnn-sdpa", action="store_true", help="engine sections: keep SDPA off the cuDNN backend")
     p.add_argument("--retrieval-table", help="JSON from --build-retrieval-table (rollout section)")
     p.add_argument("--rollout-episodes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--learner-shapes", nargs="+", default=["2048:1,2,4,8", "1024:4,8,16,32"],

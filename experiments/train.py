@@ -41,6 +41,7 @@ def train(cfg) -> dict:
     from tqdm.auto import tqdm
 
     from actors.cluster import init_ray
+    from actors.learner import LearnerConfig
     from experiments.evaluate import evaluate_episodes
     from experiments.runtime import learner_config, make_runtime, takes_knowledge_bases
     from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
@@ -72,8 +73,6 @@ def train(cfg) -> dict:
         cfg.policy.model = str(sft["policy_dir"])  # RL starts from the SFT policy
     schedule = reward_schedule(cfg)
     golden_steps = golden_steps_for(cfg, data.questions)  # Step-GRPO: teacher-forced step groups
-    from actors.learner import LearnerConfig
-
     mini_batch = LearnerConfig.from_dict(learner_config(cfg)).mini_batch_size
     sampler = PromptSampler(len(data.questions), int(cfg.run.seed))
     rt = make_runtime(cfg, data.index_dirs, data.corpus)

@@ -24,6 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+# Heavy end-to-end module (the README's serve command as a subprocess with its own Ray, then SIGTERM): `make test-integration`.
+pytestmark = pytest.mark.integration
+
 STARTUP_LIMIT_S = 240  # a loaded 2-core machine needs about a minute (three replicas import torch)
 STOP_LIMIT_S = 45  # the server gives its app at most 25 s, then stops Ray; under 10 s is typical
 

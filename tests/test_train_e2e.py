@@ -21,6 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Heavy end-to-end module (a Ray cluster with token auth, GRPO runs, a kill and a resume as a Ray job): `make test-integration`.
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("ray")
 pytest.importorskip("deepspeed")
 

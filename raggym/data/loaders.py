@@ -1,13 +1,17 @@
 """Loaders and writers for corpora and question sets.
 
-Corpora:  HippoRAG-style JSON (a list of ``{title, text}``), JSONL (one ``{title, text[, id]}`` per
-line) and parquet (columns ``title``, ``text`` and optionally ``id``).
+Corpora: HippoRAG-style JSON (a list of ``{title, text}``; RouteRAG's ``corpus.json`` is one), JSONL
+(one ``{title, text[, id]}`` per line), parquet (columns ``title``, ``text`` and optionally ``id``)
+and FlashRAG's JSONL (``{id, contents}``, the title on the first line of ``contents``).
 
-Questions: MuSiQue, HotpotQA, 2WikiMultiHopQA, Search-R1 / RouteRAG / verl parquet, and raggym's own
-JSONL (``Question.as_dict`` per line). Gold supporting passages are resolved to corpus ids while
+Questions: MuSiQue, HotpotQA, 2WikiMultiHopQA, HippoRAG 2's PopQA and NQ files (which RouteRAG
+evaluates on), Search-R1 / RouteRAG / verl parquet, FlashRAG JSONL and raggym's own JSONL
+(``Question.as_dict`` per line). Gold supporting passages are resolved to corpus ids while
 loading, so every question that comes out refers to passages that exist. MuSiQue's
 ``question_decomposition`` becomes the question's golden trajectory (see
-``_musique_golden_trajectory``), which R1-Router's teacher-forced Step-GRPO needs.
+``_musique_golden_trajectory``), which R1-Router's teacher-forced Step-GRPO needs. verl prompts
+hold a trainer's whole instruction text; the question itself is recovered from them (see
+``raggym.data.verl``). docs/data.md lists every layout with an example.
 
 Every error is a ``DataFormatError`` naming the file, the record index and the field; a loader
 either returns everything or raises, never a partial list. Writers go through a temporary file and
@@ -25,8 +29,10 @@ from typing import Any, Callable, Iterable, Iterator
 from raggym.atomic import atomic_write  # re-exported: raggym.data.atomic_write is public API
 
 from .types import Corpus, Passage, Question, passage_id_for
+from .verl import QUESTION_MARKER, question_from_prompt
 
-QUESTION_FORMATS = ("auto", "musique", "hotpotqa", "2wiki", "searchr1", "jsonl")
+QUESTION_FORMATS = ("auto", "musique", "hotpotqa", "2wiki", "popqa", "nq_rear", "searchr1", "flashrag", "jsonl")
+CORPUS_FORMATS = ("hipporag", "jsonl", "parquet", "flashrag")
 
 
 class DataFormatError(ValueError):
@@ -116,18 +122,57 @@ def _field(path, i: int, rec: Any, name: str, kind=str, *, allow_empty=False):
 # ----------------------------------------------------------------------------- corpora
 
 
+def _flashrag_title_and_text(contents: str) -> tuple[str, str]:
+    """Split FlashRAG's ``contents``: the title is the first line, usually in double quotes.
+
+    The quotes come from the DPR Wikipedia dump FlashRAG's corpora derive from, which writes
+    titles as CSV fields (``"Title"``, inner quotes doubled); they are removed so that titles
+    match the ones question files name. The text is the rest, unchanged.
+    """
+    title, newline, text = contents.partition("\n")
+    if not newline:
+        return "", contents
+    title = title.strip()
+    if len(title) >= 2 and title[0] == title[-1] == '"':
+        title = title[1:-1].replace('""', '"')
+    return title, text
+
+
+def _corpus_record(path, i: int, rec) -> tuple[str, str]:
+    if isinstance(rec, dict) and "text" not in rec and "contents" in rec:
+        contents = _field(path, i, rec, "contents", str)
+        if isinstance(rec.get("title"), str):
+            return rec["title"], contents
+        title, text = _flashrag_title_and_text(contents)
+        if not text.strip():
+            raise DataFormatError(path, i, "contents", "no text after the title line")
+        return title, text
+    return _field(path, i, rec, "title", str, allow_empty=True), _field(path, i, rec, "text", str)
+
+
+def detect_corpus_format(path: Path, first: Any) -> str:
+    """``flashrag`` for ``{id, contents}`` records, else the container: ``hipporag`` (a JSON list), ``jsonl`` or ``parquet``."""
+    if isinstance(first, dict) and "text" not in first and "contents" in first:
+        return "flashrag"
+    suffix = Path(path).suffix.lower()
+    return "parquet" if suffix == ".parquet" else "jsonl" if suffix in (".jsonl", ".ndjson") else "hipporag"
+
+
 def load_corpus(path: str | os.PathLike, name: str | None = None) -> Corpus:
-    """Load a corpus file (JSON list, JSONL or parquet) of ``{title, text[, id]}`` records.
+    """Load a corpus file of ``{title, text[, id]}`` records (JSON list, JSONL or parquet) or FlashRAG's ``{id, contents}`` JSONL.
 
     Passages without an ``id`` get a content-derived one (``passage_id_for``). Exact duplicate
     passages (same title and text, no explicit id) are kept once, as HippoRAG does.
     """
     path = Path(path)
+    return _corpus_from_records(path, _records(path), name)
+
+
+def _corpus_from_records(path: Path, records: list[tuple[int, Any]], name: str | None) -> Corpus:
     passages: list[Passage] = []
     seen: dict[str, int] = {}
-    for i, rec in _records(path):
-        title = _field(path, i, rec, "title", str, allow_empty=True)
-        text = _field(path, i, rec, "text", str)
+    for i, rec in records:
+        title, text = _corpus_record(path, i, rec)
         explicit = rec.get("id", rec.get("idx"))
         if explicit is not None and not isinstance(explicit, (str, int)):
             raise DataFormatError(path, i, "id", f"expected str or int, got {type(explicit).__name__}")
