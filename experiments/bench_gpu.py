@@ -13,8 +13,11 @@ Sections:
 
 - ``engine_smollm2`` / ``engine_qwen1.5b``: ``HFEngine.generate`` tokens/s at batch 1, 32 and 128
   (prompt 128 random token ids, 128 new tokens, temperature 1, seeded per-prompt streams as the
-  rollout uses them; end-of-sequence ids switched off so every prompt yields exactly 128 tokens).
-  SmolLM2-135M has its real weights (``--smollm``); the Qwen2.5-1.5B shape has random weights.
+  rollout uses them, plus one unseeded run; end-of-sequence ids switched off so every prompt yields
+  exactly 128 tokens). Each is timed twice, ``first`` and ``repeat``: the first call meets every
+  cache length for the first time. SmolLM2-135M has its real weights (``--smollm``); the
+  Qwen2.5-1.5B shape has random weights. ``--disable-cudnn-sdpa`` keeps attention off cuDNN.
+- ``engine_profile``: one decode step of the engine split into the model forward and the sampling.
 - ``rollout``: multi-turn rollout tokens/s ÷ plain ``generate`` tokens/s at equal tokens, the
   method of ``experiments/bench_runtime.py`` without Ray. Retrieval answers come from a table of
   the real ``Retriever``'s results for each episode's question, built on a CPU machine
@@ -32,7 +35,7 @@ Sections:
 - ``logprobs``: peak memory and time of forward + backward of the per-token log-probabilities at
   the 3B shape's vocabulary (151,936 × 2,048): full logits vs ``chunked_token_logprobs``.
 - ``ppr``: batched PPR (batch 64) on CUDA vs CPU on the synthetic 1.02M-node graph (``--ppr-graph``
-  from ``--save-ppr-graph``, or built here); top-10 agreement.
+  from ``--save-ppr-graph``, or built here); top-10 agreement; where a CUDA run spends its time.
 - ``smoke``: what ``experiments/gpu_smoke.sh`` checks, without vLLM and Ray: HF engine on CUDA +
   bf16 ZeRO-3 Learner, on-policy log-prob gap before and after an update and an in-process weight
   sync.
@@ -810,7 +813,6 @@ def section_engine_profile(args) -> dict:
 
 def section_smoke(args) -> dict:
     """gpu_smoke.sh without vLLM and Ray: HF engine + bf16 ZeRO-3 Learner in one process."""
-    torch = _torch()
     from actors.engines.base import SamplingParams
     from actors.engines.hf import HFEngine
     from actors.learner import Learner, make_train_batch
@@ -856,7 +858,7 @@ def section_smoke(args) -> dict:
                         "gap_after_sync < 0.5 nats": report["gap_after_sync"] < 0.5}
     report["not_run"] = "vLLM engine, NCCL/pynccl weight broadcast and the Ray actors: vLLM cannot be installed on this machine"
     del engine, learner
-    torch.cuda.empty_cache() if args.device == "cuda" else None
+    free_memory(args)
     return report
 
 

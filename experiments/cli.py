@@ -1,6 +1,6 @@
 """The ``raggym`` console script.
 
-Subcommands: index, retrieve, train, eval, serve, demo, bench, synth. Each has ``--help``; the
+Subcommands: index, retrieve, train, eval, serve, demo, bench, synth, data. Each has ``--help``; the
 ones that print results accept ``--json``. Errors in user input print one line on stderr and
 exit with status 2; nothing prints a traceback for a bad file or a bad argument.
 
@@ -202,7 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_synth(sub)
+    _add_data(sub)
     return parser
+
+
+def _add_data(sub):
+    from raggym.data.cli import add_data_arguments, run_data
+
+    p = sub.add_parser("data", help="inspect question and corpus files: format, counts, gold passages, samples",
+                       description="Detect a question or corpus file's layout and report what raggym reads from it.")
+    add_data_arguments(p)
+    p.set_defaults(func=run_data)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ def test_doc_example_runs(index, title, small_world, small_world_retriever, clea
     exec(compile(examples[index], f"{DOC}#{title}", "exec"), namespace)
 
 
+@pytest.mark.integration  # a full train() step (~1 min on 2 cores): `make test-integration`
 def test_doc_training_example_runs_one_real_step(small_world, small_world_retriever, clean_registries):
     """Section 5: train() with the custom reward, environment and engine of sections 2-4."""
     import torch

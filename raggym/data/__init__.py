@@ -1,9 +1,15 @@
-"""Data model, loaders and the synthetic multi-hop world."""
+"""Data model, loaders and writers (raggym's own layouts and the anchors'), and the synthetic multi-hop world.
+
+docs/data.md lists every file layout read and written.
+"""
 
 from .loaders import (
+    CORPUS_FORMATS,
     DataFormatError,
     QUESTION_FORMATS,
     atomic_write,
+    detect_corpus_format,
+    detect_question_format,
     load_corpus,
     load_questions,
     write_corpus,
@@ -11,19 +17,26 @@ from .loaders import (
     write_questions,
 )
 from .types import Corpus, Passage, Question, Triple, passage_id_for
+from .verl import QUESTION_MARKER, question_from_prompt, write_verl_parquet
 
 __all__ = [
+    "CORPUS_FORMATS",
     "Corpus",
     "DataFormatError",
     "Passage",
     "QUESTION_FORMATS",
+    "QUESTION_MARKER",
     "Question",
     "Triple",
     "atomic_write",
+    "detect_corpus_format",
+    "detect_question_format",
     "load_corpus",
     "load_questions",
     "passage_id_for",
+    "question_from_prompt",
     "write_corpus",
     "write_jsonl",
     "write_questions",
+    "write_verl_parquet",
 ]

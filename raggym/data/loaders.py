@@ -20,6 +20,7 @@ an atomic rename, so a crash never leaves half a file behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -212,6 +213,7 @@ class _TitleIndex:
     """Resolve (title[, text]) references to corpus ids."""
 
     def __init__(self, corpus: Corpus):
+        self.corpus = corpus
         self.by_title: dict[str, list[Passage]] = {}
         self.by_content: dict[tuple[str, str], str] = {}
         for p in corpus:
@@ -233,6 +235,49 @@ class _TitleIndex:
                 return matching[0].id
         return None
 
+    def why_unresolved(self, title: str) -> str:
+        count = len(self.by_title.get(title, ()))
+        if count == 0:
+            return f"supporting title {title!r} is not in the corpus"
+        return (f"supporting title {title!r} matches {count} passages of the corpus and the record has no text to "
+                "tell them apart; gold passages named by title need a corpus with one passage per title")
+
+
+def _resolve_titles(path, i, field: str, named: list[str], titles: _TitleIndex, hints: dict[str, str]) -> tuple[str, ...]:
+    """Corpus ids of the passages named by title; ``named[j]`` is reported as ``field[j]``."""
+    gold: list[str] = []
+    for j, title in enumerate(named):
+        pid = titles.resolve(title, hints.get(title))
+        if pid is None:
+            raise DataFormatError(path, i, f"{field}[{j}]", titles.why_unresolved(title))
+        gold.append(pid)
+    return tuple(dict.fromkeys(gold))
+
+
+def _paragraph_passage_id(path, i, where: str, para: Any, titles: _TitleIndex | None, role: str) -> str:
+    """Corpus id of a ``{title, paragraph_text | text}`` paragraph (its content hash without a corpus)."""
+    if not isinstance(para, dict):
+        raise DataFormatError(path, i, where, "expected an object")
+    title = para.get("title")
+    text = para.get("paragraph_text", para.get("text"))
+    if not isinstance(title, str) or not isinstance(text, str):
+        raise DataFormatError(path, i, where, f"{role} paragraph lacks title or paragraph_text")
+    pid = titles.resolve(title, text) if titles else passage_id_for(title, text)
+    if pid is None:
+        raise DataFormatError(path, i, where, f"{role} paragraph {title!r} is not in the corpus")
+    return pid
+
+
+def _supporting_paragraph_ids(path, i, field: str, paragraphs: list, titles: _TitleIndex | None) -> tuple[str, ...]:
+    """Ids of the paragraphs marked ``is_supporting`` (MuSiQue, and HippoRAG 2's PopQA and NQ files)."""
+    gold: list[str] = []
+    for j, para in enumerate(paragraphs):
+        if not isinstance(para, dict):
+            raise DataFormatError(path, i, f"{field}[{j}]", "expected an object")
+        if para.get("is_supporting"):
+            gold.append(_paragraph_passage_id(path, i, f"{field}[{j}]", para, titles, "supporting"))
+    return tuple(dict.fromkeys(gold))
+
 
 def _need_corpus(path, corpus):
     if corpus is None:
@@ -246,29 +291,15 @@ def _parse_musique(path, i, rec, titles: _TitleIndex | None) -> Question:
     paragraphs = _field(path, i, rec, "paragraphs", list)
 
     def paragraph_id(j: int, role: str) -> str:
-        para = paragraphs[j]
-        title = para.get("title")
-        text = para.get("paragraph_text", para.get("text"))
-        if not isinstance(title, str) or not isinstance(text, str):
-            raise DataFormatError(path, i, f"paragraphs[{j}]", f"{role} paragraph lacks title or paragraph_text")
-        pid = titles.resolve(title, text) if titles else passage_id_for(title, text)
-        if pid is None:
-            raise DataFormatError(path, i, f"paragraphs[{j}]", f"{role} paragraph {title!r} is not in the corpus")
-        return pid
+        return _paragraph_passage_id(path, i, f"paragraphs[{j}]", paragraphs[j], titles, role)
 
-    gold: list[str] = []
-    for j, para in enumerate(paragraphs):
-        if not isinstance(para, dict):
-            raise DataFormatError(path, i, f"paragraphs[{j}]", "expected an object")
-        if para.get("is_supporting"):
-            gold.append(paragraph_id(j, "supporting"))
+    gold = _supporting_paragraph_ids(path, i, "paragraphs", paragraphs, titles)
     decomposition = rec.get("question_decomposition") or []
     hops = len(decomposition) if isinstance(decomposition, list) and decomposition else None
     if hops is None and qid[:1].isdigit() and "hop" in qid:
         hops = int(qid.split("hop")[0])
     trajectory = _musique_golden_trajectory(path, i, decomposition, paragraphs, paragraph_id)
-    return Question(qid, question, answers, tuple(dict.fromkeys(gold)), hops=hops, kind="musique",
-                    golden_trajectory=trajectory)
+    return Question(qid, question, answers, gold, hops=hops, kind="musique", golden_trajectory=trajectory)
 
 
 _ANSWER_REFERENCE_RE = re.compile(r"#(\d+)")
@@ -338,21 +369,11 @@ def _parse_hotpot_like(path, i, rec, titles: _TitleIndex, kind: str) -> Question
     question = _field(path, i, rec, "question", str)
     answers = _answers(path, i, rec, "answer", "answer_aliases")
     facts = _field(path, i, rec, "supporting_facts", list)
-    context = {}
-    for c in rec.get("context") or []:
-        if isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], list):
-            context[c[0]] = c[1]
-    gold: list[str] = []
     for j, fact in enumerate(facts):
         if not (isinstance(fact, (list, tuple)) and len(fact) >= 1 and isinstance(fact[0], str)):
             raise DataFormatError(path, i, f"supporting_facts[{j}]", "expected [title, sentence_id]")
-        title = fact[0]
-        sentences = context.get(title)
-        hint = "".join(str(s) for s in sentences) if sentences else None
-        pid = titles.resolve(title, hint)
-        if pid is None:
-            raise DataFormatError(path, i, f"supporting_facts[{j}]", f"supporting title {title!r} is not in the corpus")
-        gold.append(pid)
+    named = [fact[0] for fact in facts]
+    gold = _resolve_titles(path, i, "supporting_facts", named, titles, _context_texts(rec.get("context"), joiner=""))
     triples: list[tuple[str, str, str]] = []
     for j, ev in enumerate(rec.get("evidences") or []):  # 2Wiki: [subject, relation, object]
         if isinstance(ev, (list, tuple)) and len(ev) == 3:
@@ -363,54 +384,242 @@ def _parse_hotpot_like(path, i, rec, titles: _TitleIndex, kind: str) -> Question
         qid,
         question,
         answers,
-        tuple(dict.fromkeys(gold)),
+        gold,
         gold_triples=tuple(triples),
-        hops=len(set(f[0] for f in facts)) or None,
+        hops=len(set(named)) or None,
         kind=kind if not rec.get("type") else f"{kind}:{rec['type']}",
     )
 
 
-def _searchr1_question_text(rec: dict) -> str | None:
-    if isinstance(rec.get("question"), str):
-        return rec["question"]
-    extra = rec.get("extra_info") or {}
-    if isinstance(extra, dict) and isinstance(extra.get("question"), str):
-        return extra["question"]
-    prompt = rec.get("prompt")
-    if isinstance(prompt, list):
-        for msg in reversed(prompt):
-            if isinstance(msg, dict) and msg.get("role") == "user" and isinstance(msg.get("content"), str):
-                return msg["content"]
-    if isinstance(prompt, str):
-        return prompt
-    return None
+def _context_texts(context: Any, joiner: str = " ") -> dict[str, str]:
+    """``title -> text`` from a HotpotQA-style context, used to tell same-titled passages apart.
+
+    Accepts HotpotQA's ``[[title, [sentence, ...]], ...]`` and the column form the Hugging Face
+    copies (and FlashRAG's ``metadata``) use: ``{"title": [...], "sentences" | "content": [[...], ...]}``.
+    HotpotQA's sentences carry their own leading spaces, so its context is joined with ``""``.
+    """
+    pairs: list = []
+    if isinstance(context, dict):
+        sentences = context.get("sentences", context.get("content"))
+        if isinstance(context.get("title"), list) and isinstance(sentences, list):
+            pairs = list(zip(context["title"], sentences))
+    elif isinstance(context, list):
+        pairs = [c for c in context if isinstance(c, (list, tuple)) and len(c) == 2]
+    texts: dict[str, str] = {}
+    for title, body in pairs:
+        if isinstance(title, str) and isinstance(body, list):
+            texts[title] = joiner.join(str(s) for s in body)
+        elif isinstance(title, str) and isinstance(body, str):
+            texts[title] = body
+    return texts
 
 
-def _parse_searchr1(path, i, rec, titles: _TitleIndex | None) -> Question:
-    if not isinstance(rec, dict):
-        raise DataFormatError(path, i, None, "expected an object")
-    question = _searchr1_question_text(rec)
-    if not question:
-        raise DataFormatError(path, i, "prompt", "no question text (expected `question`, `extra_info.question` or a user message)")
+def _json_list(value: Any) -> Any:
+    """A list stored as a JSON string (RouteRAG's ``supporting_facts``, PopQA's ``possible_answers``) as a list."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, list) else value
+    return value
+
+
+def _supporting_titles(path, i, field: str, facts: Any) -> list[str]:
+    """Titles named by a supporting-facts value, in order, repeats kept (callers dedupe ids).
+
+    Accepted: a list of titles, a list of ``[title, sentence_id]`` pairs, the same list as a JSON
+    string (RouteRAG), or the column form ``{"title": [...], "sent_id": [...]}`` (Hugging Face and
+    FlashRAG copies of HotpotQA).
+    """
+    facts = _json_list(facts)
+    if facts is None:
+        return []
+    if isinstance(facts, dict):
+        facts = facts.get("title")
+    if not isinstance(facts, list):
+        raise DataFormatError(path, i, field, f"expected a list of titles or [title, sentence_id] pairs, got {type(facts).__name__}")
+    named: list[str] = []
+    for j, fact in enumerate(facts):
+        title = fact[0] if isinstance(fact, (list, tuple)) and fact else fact
+        if not isinstance(title, str) or not title:
+            raise DataFormatError(path, i, f"{field}[{j}]", "expected a title or [title, sentence_id]")
+        named.append(title)
+    return named
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with anything JSON cannot hold (bytes, dates, numpy scalars) turned into strings."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return str(value)
+
+
+def _verl_answers(path, i, rec: dict) -> tuple[str, ...]:
     reward_model = rec.get("reward_model")
     ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    if not isinstance(ground_truth, dict):
-        raise DataFormatError(path, i, "reward_model.ground_truth.target", "missing")
-    answers = _answers(path, i, ground_truth, "target")
+    if isinstance(ground_truth, dict):
+        return _answers(path, i, {"reward_model.ground_truth.target": _json_list(ground_truth.get("target"))},
+                        "reward_model.ground_truth.target")
+    if isinstance(ground_truth, (str, list)):  # some verl files put the answers straight in ground_truth
+        return _answers(path, i, {"reward_model.ground_truth": _json_list(ground_truth)}, "reward_model.ground_truth")
+    if rec.get("golden_answers") is not None:
+        return _answers(path, i, rec, "golden_answers")
+    raise DataFormatError(path, i, "reward_model.ground_truth.target", "missing")
+
+
+def _verl_question_id(rec: dict, extra: dict, i: int) -> str:
+    for value in (extra.get("question_id"), rec.get("id"), extra.get("original_id"), extra.get("id"), extra.get("index")):
+        if value is not None and str(value) != "":
+            return str(value)
+    return str(i)
+
+
+def _parse_searchr1(path, i, rec, titles: _TitleIndex | None, corpus: Corpus | None, marker) -> Question:
+    """A verl row (Search-R1, RouteRAG, raggym's ``write_verl_parquet``); see ``raggym.data.verl``."""
+    if not isinstance(rec, dict):
+        raise DataFormatError(path, i, None, "expected an object")
     extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
-    gold: list[str] = []
-    for j, fact in enumerate(extra.get("supporting_facts") or []):
-        title = fact[0] if isinstance(fact, (list, tuple)) and fact else fact
-        if not isinstance(title, str):
-            raise DataFormatError(path, i, f"extra_info.supporting_facts[{j}]", "expected a title or [title, sentence_id]")
-        if titles is None:
-            continue
-        pid = titles.resolve(title)
-        if pid is None:
-            raise DataFormatError(path, i, f"extra_info.supporting_facts[{j}]", f"supporting title {title!r} is not in the corpus")
-        gold.append(pid)
-    qid = str(rec.get("id", extra.get("index", i)))
-    return Question(qid, question, answers, tuple(dict.fromkeys(gold)), kind=str(rec.get("data_source") or "searchr1"))
+    prompt = rec.get("prompt")
+    # Search-R1 keeps FlashRAG's own `question` column next to the prompt; it is the question as is.
+    question = next((q.strip() for q in (rec.get("question"), extra.get("question")) if isinstance(q, str) and q.strip()), None)
+    if question is None:
+        if prompt is None:
+            raise DataFormatError(path, i, "prompt", "missing (and there is no `question` column)")
+        question = question_from_prompt(prompt, marker)
+        if question is None:
+            raise DataFormatError(path, i, "prompt", "no recognisable question: expected a user message with a line "
+                                  f"matching {getattr(marker, 'pattern', marker)!r} followed by the question, "
+                                  "or a user message that is the bare question")
+    answers = _verl_answers(path, i, rec)
+
+    source_metadata = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
+    named: list[str] = []
+    if extra.get("gold_passage_ids") is not None:  # written by write_verl_parquet: ids, not titles
+        if not isinstance(extra["gold_passage_ids"], list):
+            raise DataFormatError(path, i, "extra_info.gold_passage_ids", "expected a list of passage ids")
+        gold = tuple(str(p) for p in extra["gold_passage_ids"])
+        if corpus is not None:
+            for j, pid in enumerate(gold):
+                if pid not in corpus:
+                    raise DataFormatError(path, i, f"extra_info.gold_passage_ids[{j}]", f"unknown passage id {pid!r}")
+    else:
+        in_extra = extra.get("supporting_facts") is not None  # RouteRAG's place; Search-R1 keeps FlashRAG's metadata
+        field = "extra_info.supporting_facts" if in_extra else "metadata.supporting_facts"
+        named = _supporting_titles(path, i, field, extra["supporting_facts"] if in_extra else source_metadata.get("supporting_facts"))
+        gold = () if titles is None else _resolve_titles(path, i, field, named, titles,
+                                                         _context_texts(source_metadata.get("context")))
+
+    raggym_fields = _raggym_extras(path, i, extra.get("raggym"))
+    data_source = rec.get("data_source")
+    metadata = {key: _json_safe(value) for key, value in (
+        ("prompt", prompt), ("data_source", data_source), ("ability", rec.get("ability")),
+        ("extra_info", {k: v for k, v in extra.items() if k != "raggym"} or None),
+        ("source_metadata", source_metadata or None),
+        ("supporting_titles", list(dict.fromkeys(named)) or None),
+    ) if value is not None}
+    return Question(
+        _verl_question_id(rec, extra, i), question, answers, gold,
+        gold_triples=tuple(tuple(str(x) for x in t) for t in raggym_fields.get("gold_triples") or ()),
+        hops=raggym_fields.get("hops", len(set(named)) or None),
+        kind=raggym_fields.get("kind", str(data_source or "searchr1")),
+        golden_trajectory=tuple(dict(s) for s in raggym_fields.get("golden_trajectory") or ()),
+        metadata=metadata,
+    )
+
+
+def _raggym_extras(path, i, encoded: Any) -> dict:
+    if encoded is None:
+        return {}
+    try:
+        value = json.loads(encoded) if isinstance(encoded, str) else None
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise DataFormatError(path, i, "extra_info.raggym", "expected a JSON object (as write_verl_parquet writes)")
+    return value
+
+
+def _qualify_mixed_source_ids(records: list[tuple[int, Any]], questions: list[Question]) -> list[Question]:
+    """Prefix ids with ``data_source/`` when a verl file mixes data sources.
+
+    Search-R1's NQ + HotpotQA training file keeps each source's own ids (``train_0``, … in both),
+    so ids repeat across sources. Ids raggym wrote (``extra_info.question_id``) are unique already.
+    """
+    def source(rec) -> str | None:
+        extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
+        return None if extra.get("question_id") is not None else rec.get("data_source")
+
+    sources = {source(rec) for _, rec in records} - {None}
+    if len(sources) < 2:
+        return questions
+    out = []
+    for (_, rec), q in zip(records, questions):
+        prefix = source(rec)
+        out.append(q if prefix is None else dataclasses.replace(q, id=f"{prefix}/{q.id}"))
+    return out
+
+
+def _parse_flashrag(path, i, rec, titles: _TitleIndex | None) -> Question:
+    """FlashRAG's ``{id, question, golden_answers, metadata}``.
+
+    Gold evidence, when the source dataset has any, sits in ``metadata``: HotpotQA-style
+    ``supporting_facts`` (resolved by title against the corpus, with ``context`` to tell
+    same-titled passages apart) or MuSiQue-style ``paragraphs`` with ``is_supporting``.
+    """
+    qid = str(_field(path, i, rec, "id", (str, int)))
+    question = _field(path, i, rec, "question", str)
+    answers = _answers(path, i, rec, "golden_answers")
+    meta = rec.get("metadata") if rec.get("metadata") is not None else {}
+    if not isinstance(meta, dict):
+        raise DataFormatError(path, i, "metadata", f"expected an object, got {type(meta).__name__}")
+    named = _supporting_titles(path, i, "metadata.supporting_facts", meta.get("supporting_facts"))
+    gold: tuple[str, ...] = ()
+    if isinstance(meta.get("paragraphs"), list):
+        gold = _supporting_paragraph_ids(path, i, "metadata.paragraphs", meta["paragraphs"], titles)
+    elif named and titles is not None:
+        gold = _resolve_titles(path, i, "metadata.supporting_facts", named, titles, _context_texts(meta.get("context")))
+    metadata = {"source_metadata": _json_safe(meta)} if meta else {}
+    if named and titles is None:
+        metadata["supporting_titles"] = list(dict.fromkeys(named))
+    kind = "flashrag" if not isinstance(meta.get("type"), str) else f"flashrag:{meta['type']}"
+    return Question(qid, question, answers, gold, hops=len(set(named)) or None, kind=kind, metadata=metadata)
+
+
+def _parse_popqa(path, i, rec, titles: _TitleIndex | None) -> Question:
+    """HippoRAG 2's ``popqa.json`` (RouteRAG's PopQA test set).
+
+    The accepted answers are the ones RouteRAG scores against: the object ``obj``, the
+    ``possible_answers`` list, the object's Wikipedia title and its aliases (the two lists are
+    JSON strings in the file).
+    """
+    qid = str(_field(path, i, rec, "id", (str, int)))
+    question = _field(path, i, rec, "question", str)
+    values: list = []
+    for name in ("obj", "possible_answers", "o_wiki_title", "o_aliases"):
+        value = _json_list(rec.get(name))
+        values.extend(value if isinstance(value, list) else [value] if value is not None else [])
+    answers = _answers(path, i, {"possible_answers": values}, "possible_answers")
+    paragraphs = _field(path, i, rec, "paragraphs", list)
+    gold = _supporting_paragraph_ids(path, i, "paragraphs", paragraphs, titles)
+    return Question(qid, question, answers, gold, hops=1, kind="popqa")
+
+
+def _parse_nq_rear(path, i, rec, titles: _TitleIndex | None) -> Question:
+    """HippoRAG 2's ``nq_rear.json`` (RouteRAG's NQ test set): ``{question, reference, contexts}``, no id.
+
+    Records have no id, so the record number is the id.
+    """
+    question = _field(path, i, rec, "question", str)
+    answers = _answers(path, i, rec, "reference")
+    contexts = _field(path, i, rec, "contexts", list)
+    gold = _supporting_paragraph_ids(path, i, "contexts", contexts, titles)
+    qid = rec.get("id")
+    return Question(str(qid) if qid is not None else str(i), question, answers, gold, hops=1, kind="nq")
 
 
 def _parse_native(path, i, rec, corpus: Corpus | None) -> Question:
@@ -433,12 +642,17 @@ def _parse_native(path, i, rec, corpus: Corpus | None) -> Question:
 
 
 def detect_question_format(path: Path, first: Any) -> str:
-    if path.suffix.lower() == ".parquet" or (isinstance(first, dict) and "reward_model" in first):
-        return "searchr1"
+    """The question format of a file whose first record is ``first`` (see ``QUESTION_FORMATS``)."""
     if not isinstance(first, dict):
         raise DataFormatError(path, 0, None, "cannot detect the question format: first record is not an object")
+    if "reward_model" in first or "prompt" in first:
+        return "searchr1"
+    if "golden_answers" in first:
+        return "flashrag"
     if "paragraphs" in first:
-        return "musique"
+        return "popqa" if "possible_answers" in first or "obj" in first else "musique"
+    if "contexts" in first and "reference" in first:
+        return "nq_rear"
     if "evidences" in first or ("supporting_facts" in first and first.get("type") in {"compositional", "inference", "bridge_comparison"}):
         return "2wiki"
     if "supporting_facts" in first:
@@ -448,21 +662,29 @@ def detect_question_format(path: Path, first: Any) -> str:
     raise DataFormatError(path, 0, None, "cannot detect the question format; pass fmt= one of " + ", ".join(QUESTION_FORMATS[1:]))
 
 
-def load_questions(path: str | os.PathLike, corpus: Corpus | None = None, fmt: str = "auto") -> list[Question]:
+def load_questions(path: str | os.PathLike, corpus: Corpus | None = None, fmt: str = "auto", *,
+                   question_marker: str = QUESTION_MARKER) -> list[Question]:
     """Load questions and resolve their gold passages against ``corpus``.
 
-    ``fmt`` is one of ``auto, musique, hotpotqa, 2wiki, searchr1, jsonl``. Duplicate question ids
-    are an error. Returns the full list or raises ``DataFormatError``.
+    ``fmt`` is one of ``QUESTION_FORMATS`` (``auto`` detects it from the first record).
+    ``question_marker`` is the regular expression that precedes the question in verl prompts.
+    Duplicate question ids are an error. Returns the full list or raises ``DataFormatError``.
     """
     path = Path(path)
+    return _questions_from_records(path, _records(path), corpus, fmt, question_marker)[1]
+
+
+def _questions_from_records(path: Path, records: list[tuple[int, Any]], corpus: Corpus | None, fmt: str,
+                            marker: str = QUESTION_MARKER) -> tuple[str, list[Question]]:
+    """``(format, questions)``; ``load_questions`` and ``raggym data inspect`` share it."""
     if fmt not in QUESTION_FORMATS:
         raise ValueError(f"unknown question format {fmt!r}; expected one of {', '.join(QUESTION_FORMATS)}")
-    records = _records(path)
     if not records:
         raise DataFormatError(path, None, None, "no question records")
     if fmt == "auto":
         fmt = detect_question_format(path, records[0][1])
     titles = _TitleIndex(corpus) if corpus is not None else None
+    compiled_marker = re.compile(marker)
     parse: Callable[[Path, int, Any], Question]
     if fmt == "musique":
         parse = lambda p, i, r: _parse_musique(p, i, r, titles)  # noqa: E731
@@ -470,18 +692,30 @@ def load_questions(path: str | os.PathLike, corpus: Corpus | None = None, fmt: s
         _need_corpus(path, corpus)
         parse = lambda p, i, r: _parse_hotpot_like(p, i, r, titles, fmt)  # noqa: E731
     elif fmt == "searchr1":
-        parse = lambda p, i, r: _parse_searchr1(p, i, r, titles)  # noqa: E731
+        parse = lambda p, i, r: _parse_searchr1(p, i, r, titles, corpus, compiled_marker)  # noqa: E731
+    elif fmt == "flashrag":
+        parse = lambda p, i, r: _parse_flashrag(p, i, _object(p, i, r), titles)  # noqa: E731
+    elif fmt == "popqa":
+        parse = lambda p, i, r: _parse_popqa(p, i, _object(p, i, r), titles)  # noqa: E731
+    elif fmt == "nq_rear":
+        parse = lambda p, i, r: _parse_nq_rear(p, i, _object(p, i, r), titles)  # noqa: E731
     else:
         parse = lambda p, i, r: _parse_native(p, i, r, corpus)  # noqa: E731
-    out: list[Question] = []
+    out = [parse(path, i, rec) for i, rec in records]
+    if fmt == "searchr1":
+        out = _qualify_mixed_source_ids(records, out)
     seen: dict[str, int] = {}
-    for i, rec in records:
-        q = parse(path, i, rec)
+    for (i, _), q in zip(records, out):
         if q.id in seen:
             raise DataFormatError(path, i, "id", f"duplicate question id {q.id!r} (first at record {seen[q.id]})")
         seen[q.id] = i
-        out.append(q)
-    return out
+    return fmt, out
+
+
+def _object(path, i, rec) -> dict:
+    if not isinstance(rec, dict):
+        raise DataFormatError(path, i, None, f"expected an object, got {type(rec).__name__}")
+    return rec
 
 
 # ----------------------------------------------------------------------------- writers

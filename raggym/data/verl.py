@@ -42,7 +42,6 @@ _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s
 # A prompt without a marker counts as the bare question only if it has no tags: instruction
 # prompts always describe their <tags>.
 _TAG = re.compile(r"</?[A-Za-z][\w-]*>")
-_NEWLINES = re.compile(r"\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 def prompt_messages(prompt: Any) -> list[dict] | str | None:
@@ -125,7 +124,7 @@ def question_from_text(text: str, marker: str | re.Pattern = QUESTION_MARKER) ->
     if not isinstance(text, str):
         return None
     pattern = re.compile(marker) if isinstance(marker, str) else marker
-    lines = _NEWLINES.split(text)
+    lines = text.splitlines()
     for at in range(len(lines) - 1, -1, -1):
         found = pattern.search(lines[at])
         if found is None:
@@ -207,14 +206,28 @@ def verl_row(question: "Question", index: int, *, prompt: str, data_source: str,
     }
 
 
+# The data sources Search-R1's and RouteRAG's trainers know (their ``_select_rm_score_fn``).
+VERL_DATA_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+_KIND_TO_DATA_SOURCE = {"2wiki": "2wikimultihopqa"}
+
+
+def verl_data_source(question: "Question") -> str:
+    """The verl ``data_source`` for a question: its ``kind`` before any ``:`` ("hotpotqa" for
+    "hotpotqa:bridge", "2wikimultihopqa" for "2wiki:…"); kinds no verl trainer knows are kept as
+    they are ("single" and "bridge" for the synthetic world), and a question without one is "raggym"."""
+    kind = (question.kind or "raggym").split(":")[0]
+    return _KIND_TO_DATA_SOURCE.get(kind, kind)
+
+
 def write_verl_parquet(path: str | os.PathLike, questions: Iterable["Question"], *, dialect: str = "search_r1",
                        data_source: str | None = None, split: str = "train", corpus: "Corpus | None" = None) -> Path:
     """Write questions as a verl / Search-R1 parquet file; ``load_questions`` reads it back.
 
     The prompt is ``dialect``'s instruction prompt (``raggym.protocol.get_dialect(dialect)``),
     a single user message, as Search-R1 and RouteRAG store theirs. ``data_source`` defaults to
-    each question's ``kind`` before any ``:`` (``"hotpotqa"`` for ``"hotpotqa:bridge"``), else
-    ``"raggym"``. With ``corpus``, the titles of the gold passages are written to
+    ``verl_data_source(question)``; Search-R1's and RouteRAG's reward managers accept only
+    ``VERL_DATA_SOURCES`` (all scored by exact match) and raise on anything else, so pass one of
+    those for questions of other kinds. With ``corpus``, the titles of the gold passages are written to
     ``extra_info.supporting_facts`` for tools that name evidence by title; gold passage ids are
     always written to ``extra_info.gold_passage_ids``. The write is atomic.
     """
@@ -226,7 +239,7 @@ def write_verl_parquet(path: str | os.PathLike, questions: Iterable["Question"],
     speaker = get_dialect(dialect)
     rows = []
     for index, q in enumerate(questions):
-        source = data_source or (q.kind.split(":")[0] if q.kind else "raggym")
+        source = data_source or verl_data_source(q)
         rows.append(verl_row(q, index, prompt=speaker.instruction_prompt(q.question), data_source=source,
                              split=split, corpus=corpus))
     table = pa.Table.from_pylist(rows, schema=_verl_schema())
