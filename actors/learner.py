@@ -62,7 +62,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 

@@ -294,34 +294,6 @@ class QuestionTableRetriever:
         return [QueryResult(q, hits[:k], 0.0, 0.0, mode, facts) for q in queries]
 
 
-class CountingBackend:
-    """The local rollout backend, counting generated tokens and the seconds spent in retrieval."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.generated_tokens = 0
-        self.generate_calls = 0
-        self.retrieval_seconds = 0.0
-
-    def submit_generate(self, *a):
-        fut = self.inner.submit_generate(*a)
-        self.generate_calls += 1
-        self.generated_tokens += sum(len(r.token_ids) for r in self.inner.get(fut))
-        return fut
-
-    def submit_retrieve(self, requests):
-        t = time.perf_counter()
-        out = self.inner.submit_retrieve(requests)
-        self.retrieval_seconds += time.perf_counter() - t
-        return out
-
-    def wait_one(self, futures):
-        return self.inner.wait_one(futures)
-
-    def get(self, fut):
-        return self.inner.get(fut)
-
-
 def _rollout_api():
     """The rollout loop's classes, wherever this checkout keeps them (envs.rollout or actors.rollout)."""
     try:
@@ -370,6 +342,8 @@ def section_rollout(args) -> dict:
     table = json.loads(Path(args.retrieval_table).read_text())
     all_questions = [Question.from_dict(d) for d in table["questions"]]
     apply_sdpa_choice(args)
+    from experiments.bench_runtime import CountingBackend
+
     engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
     eos = set(engine.eos_token_ids)
     cfg = RolloutConfig(max_response_tokens=96, max_turn_tokens=48, max_observation_tokens=96, waves=1)

@@ -19,17 +19,20 @@ import tempfile
 import time
 
 
-class _TimedBackend:
-    """LocalBackend that measures time spent in retrieval (to exclude it)."""
+class CountingBackend:
+    """The local rollout backend, counting generated tokens and the seconds spent in retrieval."""
 
-    def __init__(self, engine):
-        from envs.rollout import LocalBackend
-
-        self.inner = LocalBackend(engine)
+    def __init__(self, inner):
+        self.inner = inner
+        self.generated_tokens = 0
+        self.generate_calls = 0
         self.retrieval_seconds = 0.0
 
     def submit_generate(self, *a):
-        return self.inner.submit_generate(*a)
+        fut = self.inner.submit_generate(*a)
+        self.generate_calls += 1
+        self.generated_tokens += sum(len(r.token_ids) for r in self.inner.get(fut))
+        return fut
 
     def submit_retrieve(self, requests):
         t = time.perf_counter()
@@ -38,7 +41,7 @@ class _TimedBackend:
         return out
 
     def wait_one(self, futures):
-        return futures[0]
+        return self.inner.wait_one(futures)
 
     def get(self, fut):
         return self.inner.get(fut)
@@ -57,7 +60,9 @@ def bench_rollout(world, retriever, episodes: int, threads: int) -> dict:
     engine = HFEngine("smollm2-135m")
     qs = world.questions[:episodes]
     envs = [RagSearchEnv(retriever, qs, dialect="routerag", top_k=2) for _ in qs]
-    backend = _TimedBackend(engine)
+    from envs.rollout import LocalBackend
+
+    backend = CountingBackend(LocalBackend(engine))
     cfg = RolloutConfig(max_response_tokens=96, max_turn_tokens=48, max_observation_tokens=96, waves=1)
     t = time.perf_counter()
     trajs = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(seed=1), cfg).run(envs, qs)

@@ -41,7 +41,6 @@ import platform
 import re
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -355,7 +354,7 @@ def plan_systems(systems: Sequence[str], has_graph: bool, dialect: str) -> tuple
             modes = None
             if not has_graph and (set(d.modes) - {"passage"} or d.default_mode != "passage"):
                 modes = ("passage",)
-                notes.append(f"agent: the index has no knowledge graph, so its searches ran in passage mode only")
+                notes.append("agent: the index has no knowledge graph, so its searches ran in passage mode only")
             plan.append((system, {"allowed_modes": modes, "budget": "agent", "prompt": None}))
         elif system in SINGLE_MODE:
             if system in GRAPH_SYSTEMS and not has_graph:

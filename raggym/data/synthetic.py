@@ -40,7 +40,7 @@ import numpy as np
 
 from raggym.atomic import atomic_directory
 
-from .types import Corpus, Passage, Question, passage_id_for
+from .types import Corpus, Passage, Question
 
 ENTITY_TYPES = ("person", "film", "company", "university", "city", "country")
 _TYPE_SHARE = {"person": 0.36, "film": 0.2, "company": 0.14, "university": 0.06, "city": 0.16, "country": 0.08}
