@@ -789,7 +789,8 @@ def section_smoke(args) -> dict:
     """gpu_smoke.sh without vLLM and Ray: HF engine + bf16 ZeRO-3 Learner in one process."""
     from actors.engines.base import SamplingParams
     from actors.engines.hf import HFEngine
-    from actors.learner import Learner, make_train_batch
+    from actors.learner import Learner
+    from experiments.smoke import max_logprob_gap, smoke_batch
 
     engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
     learner = Learner({"model": args.smollm, "zero_stage": 3, "device": args.device,
@@ -804,17 +805,10 @@ def section_smoke(args) -> dict:
     def rollout(seed):
         t = time.perf_counter()
         res = engine.generate(prompts, SamplingParams(temperature=1.0, seed=seed), ["</answer>"], 32)
-        secs = time.perf_counter() - t
-        batch = make_train_batch([p + r.token_ids for p, r in zip(prompts, res)],
-                                 [[0] * len(p) + [1] * len(r.token_ids) for p, r in zip(prompts, res)],
-                                 [1.0, -1.0, 0.5, -0.5],
-                                 [[0.0] * len(p) + r.logprobs for p, r in zip(prompts, res)], pad_token_id=tok.pad_token_id)
-        return res, batch, secs
+        return res, smoke_batch(prompts, res, tok.pad_token_id), time.perf_counter() - t
 
     def gap(batch):
-        lp = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-        m = batch["loss_mask"].bool()
-        return float((lp - batch["old_logprobs"])[m].abs().max())
+        return max_logprob_gap(learner.compute_logprobs(batch["token_ids"], batch["attention_mask"]), batch)
 
     res, batch, secs = rollout(0)
     report["generate"] = {"seconds": round(secs, 3), "tokens": sum(len(r.token_ids) for r in res),

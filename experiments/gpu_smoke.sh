@@ -35,7 +35,8 @@ import ray
 import torch
 
 from actors.engines import RolloutWorker, SamplingParams
-from actors.learner import LearnerGroup, make_train_batch
+from actors.learner import LearnerGroup
+from experiments.smoke import max_logprob_gap, smoke_batch
 
 gpus = torch.cuda.device_count()
 report = {"gpus": gpus, "device": torch.cuda.get_device_name(0)}
@@ -61,17 +62,10 @@ prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generat
 def rollout(seed):
     t = time.perf_counter()
     res = ray.get(worker.generate.remote(prompts, SamplingParams(temperature=1.0, seed=seed), ["</answer>"], 32))
-    secs = time.perf_counter() - t
-    batch = make_train_batch([p + r.token_ids for p, r in zip(prompts, res)],
-                             [[0] * len(p) + [1] * len(r.token_ids) for p, r in zip(prompts, res)],
-                             [1.0, -1.0, 0.5, -0.5],
-                             [[0.0] * len(p) + r.logprobs for p, r in zip(prompts, res)], pad_token_id=tok.pad_token_id)
-    return res, batch, secs
+    return res, smoke_batch(prompts, res, tok.pad_token_id), time.perf_counter() - t
 
 def gap(batch):
-    lp = group.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-    m = batch["loss_mask"].bool()
-    return float((lp - batch["old_logprobs"])[m].abs().max())
+    return max_logprob_gap(group.compute_logprobs(batch["token_ids"], batch["attention_mask"]), batch)
 
 res, batch, secs = rollout(0)
 report["generate"] = {"seconds": secs, "tokens": sum(len(r.token_ids) for r in res), "versions": sorted({r.weight_version for r in res})}
