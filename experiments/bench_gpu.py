@@ -294,22 +294,6 @@ class QuestionTableRetriever:
         return [QueryResult(q, hits[:k], 0.0, 0.0, mode, facts) for q in queries]
 
 
-def _rollout_api():
-    """The rollout loop's classes, wherever this checkout keeps them (envs.rollout or actors.rollout)."""
-    try:
-        from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
-        from raggym.trajectory import chat_prompt_ids
-
-        def run(loop, envs, questions):
-            return loop.run(envs, [EpisodeRequest(question=q, prompt_id=q.id) for q in questions])
-    except ImportError:
-        from actors.rollout import LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids
-
-        def run(loop, envs, questions):
-            return loop.run(envs, questions)
-    return LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids, run
-
-
 def build_retrieval_table(path: str, episodes: int, top_k: int) -> None:
     """CPU side: the real Retriever's results for the first questions of the bench_runtime world."""
     from raggym.data.synthetic import generate_world
@@ -338,7 +322,9 @@ def section_rollout(args) -> dict:
     from envs import RagSearchEnv
     from raggym.data.types import Question
 
-    LocalBackend, MultiTurnRollout, RolloutConfig, chat_prompt_ids, run = _rollout_api()
+    from envs.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
+    from raggym.trajectory import chat_prompt_ids
+
     table = json.loads(Path(args.retrieval_table).read_text())
     all_questions = [Question.from_dict(d) for d in table["questions"]]
     apply_sdpa_choice(args)
@@ -358,11 +344,11 @@ def section_rollout(args) -> dict:
         engine.eos_token_ids = eos
         backend = CountingBackend(LocalBackend(engine))
         loop = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(seed=1), cfg)
-        run(loop, envs_for(questions[:2]), questions[:2])  # warm-up
+        loop.run(envs_for(questions[:2]), questions[:2])  # warm-up
         backend = CountingBackend(LocalBackend(engine))
         loop = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(seed=1), cfg)
         t = time.perf_counter()
-        run(loop, envs_for(questions), questions)
+        loop.run(envs_for(questions), questions)
         synchronize(args)
         multi_seconds = time.perf_counter() - t - backend.retrieval_seconds
         multi_tokens = backend.generated_tokens
