@@ -16,10 +16,12 @@ Batch format (``TrainBatch``, a dict of tensors, sequences right-padded to one l
     loss_mask        [N, T]        1 on tokens the policy generated and is trained on
     advantages       [N] or [N, T]
     sampled_logprobs [N, T]        optional: the rollout engine's logprobs of the sampled tokens;
-                                   only compared with the recomputed old logprobs (logged drift)
-    old_logprobs     [N, T]        optional: log π_old(token_t | tokens_<t); default: computed
-                                   here from the current weights before the first update
-                                   (the on-policy ratio is then exactly 1 on the first mini-batch)
+                                   compared with the learner's own (logged drift) and, with
+                                   ``old_logprobs="rollout"``, π_old after the first optimizer step
+    old_logprobs     [N, T]        optional: log π_old(token_t | tokens_<t); default: the current
+                                   weights' values before the first update, from a separate pass
+                                   or from the first mini-batch's own forward (``Learner.update``;
+                                   the on-policy ratio is exactly 1 on the first mini-batch)
     ref_logprobs     [N, T]        optional: computed with the reference model when KL is on
     # PathRouter teacher KL (only when loss.teacher_kl is on):
     teacher_token_ids       [N, T']  the teacher's input: gold evidence + the same trajectory
@@ -46,7 +48,14 @@ global mini-batch counts once (DAPO's token-level loss), not once per micro-batc
 micro-batch loss is ``Σ L / n_micro``; multiplying it by ``n_micro · K · GA / n_global`` (the
 global trainable-token count, one all-reduce per mini-batch) and letting DeepSpeed divide by GA
 and average over K ranks leaves ``Σ_global L / n_global``. The seq-mean aggregations use the
-number of non-empty sequences instead of tokens. The teacher KL term is a per-micro-batch mean.
+number of non-empty sequences instead of tokens. The teacher KL term is PathRouter's mean over the
+evidence-poor trajectories of the whole mini-batch (1/|I_low| Σ_i KL_i): each micro-batch adds
+``λ · Σ_i KL_i · K · GA / |I_low|`` with ``|I_low|`` all-reduced together with the token count, so
+its weight does not depend on how many such trajectories a micro-batch happens to hold.
+
+Every pass runs micro-batches through ``raggym.algorithms.shared_prompt.pack_sequences``: rows
+trimmed to their length, a prompt shared by several rows computed once (``share_prompts``), and
+logits only where a log-probability is needed; the numbers are those of the plain padded pass.
 
 Logits are divided by ``temperature`` before every log-probability, so ``compute_logprobs`` with
 the rollout temperature reproduces the engine's ``processed`` logprobs (top-k/top-p off).
@@ -81,6 +90,8 @@ from raggym.config_util import dataclass_from_mapping
 from raggym.models import LoraSettings, apply_lora
 
 from raggym.algorithms.batch import TrainBatch, make_train_batch  # noqa: F401  (re-exported)
+from raggym.algorithms.batch import teacher_kl_eligible, teacher_kl_span
+from raggym.algorithms.shared_prompt import PackedBatch, entry_logprobs, pack_sequences, shared_prompt_order
 
 # ---------------------------------------------------------------------------------------------
 # configuration
@@ -103,10 +114,12 @@ class PolicyLossConfig:
 
     clip_low: float = 0.2  # ε (PPO) or ε_low (DAPO)
     clip_high: float | None = None  # ε_high (DAPO: 0.28); None = symmetric
+    dual_clip: bool = False  # verl's dual clip: a token with Â < 0 loses at most −Â·clip_ratio_c
+    clip_ratio_c: float = 3.0  # verl's default
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     token_sum_norm: float | None = None  # Dr.GRPO's constant for seq-mean-token-sum
     kl_coef: float = 0.0  # β of the KL-to-reference loss term (GRPO: 0.001–0.04)
-    kl_kind: str = "low_var_kl"  # k1 | k2 | k3 (= low_var_kl)
+    kl_kind: str = "low_var_kl"  # k1 | abs | k2 | k3 (= low_var_kl)
     entropy_coef: float = 0.0  # c_H; the entropy is always logged
     teacher_kl: bool = False  # PathRouter selective teacher KL
     teacher_top_k: int = 128
@@ -133,8 +146,13 @@ class LearnerConfig:
     reference_model: bool | None = None  # None: load one iff KL or teacher KL needs it
     shuffle: bool = True  # shuffle sequences into mini-batches each epoch
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads for this process (None: leave as is)
+    num_threads: int | None = None  # torch intra-op threads (None: the Ray actor's CPU allotment, else as is)
     cpu_shm_comm: bool = False
+    # Speed (``docs/benchmarks.md``, "Learner step"); none of these changes the update's numbers.
+    share_prompts: bool = True  # compute a shared prompt once per pass for all rows that share it
+    min_shared_prefix: int = 16  # tokens two rows must share before they are packed together
+    old_logprobs: Literal["recompute", "rollout"] = "rollout"  # how π_old is obtained (see update)
+    max_logprob_drift: float = 0.02  # "rollout": mean |log π_rollout − log π_learner| that forces recomputation
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LearnerConfig" | None) -> "LearnerConfig":
@@ -205,6 +223,30 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # works for left or right padding
 
 
+def _max_op():
+    import torch.distributed as dist
+
+    return dist.ReduceOp.MAX
+
+
+def _ray_cpu_allotment() -> int | None:
+    """CPUs Ray assigned to this actor, or None outside a Ray actor.
+
+    Torch's default is one thread per core of the machine; co-located actors (rollout workers,
+    retrievers, learners) that each do that oversubscribe the cores and slow each other down.
+    """
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    except Exception:  # the driver, not an actor: no allotment
+        return None
+    return max(1, int(cpus)) if cpus else None
+
+
 # ---------------------------------------------------------------------------------------------
 # distributed setup helpers
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +312,7 @@ class Learner:
         self.engine = None
         self.reference = None
         self._sync_group = None
+        self._tokens_computed = self._tokens_padded = 0  # positions run through the model, real / padding
         if setup:
             self.setup(master_addr, master_port)
 
@@ -291,8 +334,9 @@ class Learner:
             if self.world_size != 1:
                 raise ValueError("a learner in a group of more than one needs master_addr and master_port")
             master_addr, master_port = self.master_endpoint()
-        if cfg.num_threads:
-            torch.set_num_threads(int(cfg.num_threads))
+        threads = cfg.num_threads or _ray_cpu_allotment()
+        if threads:
+            torch.set_num_threads(int(threads))
         if device == "cpu" and not cfg.cpu_shm_comm:
             _disable_cpu_shm_comm()
         if device == "cuda":
@@ -388,31 +432,77 @@ class Learner:
         attn = attention_mask.to(self.device)
         return model(input_ids=ids, attention_mask=attn, position_ids=_position_ids(attn), use_cache=False).logits
 
+    def _shares_prompts(self) -> bool:
+        # The shared layout needs an arbitrary 4D mask, which the eager and SDPA attentions take
+        # as given; flash-attention kernels do not (there every row is packed alone).
+        # The reference is a copy of the same architecture, so the policy's HF config answers for both.
+        impl = getattr(getattr(self.module, "config", None), "_attn_implementation", None)
+        return self.config.share_prompts and impl in ("eager", "sdpa")
+
+    def _packed_logits(self, model, token_ids, attention_mask, needed) -> tuple[torch.Tensor, PackedBatch]:
+        """Logits ``[M, V]`` (unscaled) for the needed tokens of a micro-batch, in one forward pass.
+
+        Rows are trimmed to their length, a shared prompt runs once (``raggym.algorithms.shared_prompt``)
+        and only the positions that predict a needed token go through the output embedding.
+        """
+        packed = pack_sequences(token_ids, attention_mask, needed, share_prefix=self._shares_prompts(),
+                                min_shared_tokens=self.config.min_shared_prefix,
+                                pad_token_id=int(getattr(self.tokenizer, "pad_token_id", None) or 0))
+        dtype = next(self.module.parameters()).dtype
+        logits = model(
+            input_ids=packed.input_ids.to(self.device), attention_mask=packed.model_attention_mask(dtype).to(self.device),
+            position_ids=packed.position_ids.to(self.device), logits_to_keep=packed.keep.to(self.device), use_cache=False,
+        ).logits
+        if logits.ndim == 3:  # an HF version that returns [1, K, V] for a boolean keep mask
+            logits = logits.reshape(-1, logits.shape[-1])
+        if packed.logit_index is not None:
+            logits = logits[packed.logit_index.to(self.device)]
+        self._tokens_computed += packed.computed_tokens
+        self._tokens_padded += packed.padded_tokens
+        return logits, packed
+
     @torch.no_grad()
-    def _logprobs_with(self, model, token_ids, attention_mask, micro_batch_size) -> torch.Tensor:
+    def _logprobs_with(self, model, token_ids, attention_mask, micro_batch_size, needed=None) -> torch.Tensor:
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         attention_mask = torch.ones_like(token_ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        if needed is None:
+            needed = attention_mask.bool()
         chunk = micro_batch_size or self.config.micro_batch_size
-        out = []
+        out = torch.zeros(token_ids.shape, dtype=torch.float32)
+        right_padded = bool((attention_mask.long().cummin(-1).values == attention_mask.long()).all())
+        if not right_padded:  # the packed layout needs right padding; anything else runs as given
+            for start in range(0, token_ids.shape[0], chunk):
+                ids, attn = token_ids[start : start + chunk], attention_mask[start : start + chunk]
+                logits = self._forward(model, ids, attn).float() / self.config.temperature  # z / T
+                out[start : start + chunk] = token_logprobs(logits, ids.to(self.device)).cpu() * attn.to(torch.float32)
+            return out
+        order = shared_prompt_order(token_ids, attention_mask)
         for start in range(0, token_ids.shape[0], chunk):
-            ids, attn = token_ids[start : start + chunk], attention_mask[start : start + chunk]
-            logits = self._forward(model, ids, attn).float() / self.config.temperature  # z / T
-            out.append(token_logprobs(logits, ids.to(self.device)).cpu() * attn.to(torch.float32))
-        return torch.cat(out) if out else torch.zeros(token_ids.shape, dtype=torch.float32)
+            rows = order[start : start + chunk]
+            if not bool(needed[rows, 1:].any()) and self.config.zero_stage != 3:
+                continue  # (under ZeRO-3 every rank must run as many forwards as the others)
+            logits, packed = self._packed_logits(model, token_ids[rows], attention_mask[rows], needed[rows])
+            out[rows] = packed.scatter(entry_logprobs(logits, packed.targets, self.config.temperature)).cpu()
+        return out
 
-    def compute_logprobs(self, token_ids, attention_mask=None, micro_batch_size: int | None = None) -> torch.Tensor:
-        """``[N, T]`` current-policy log π(token_t | tokens_<t) at ``temperature`` (0 at t = 0 and on padding)."""
+    def compute_logprobs(self, token_ids, attention_mask=None, micro_batch_size: int | None = None,
+                         needed: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, T]`` current-policy log π(token_t | tokens_<t) at ``temperature``.
+
+        0 at t = 0, on padding and, when ``needed`` ([N, T] bool) is given, wherever it is False.
+        """
         was_training = self.engine.training
         self.engine.eval()
         try:
-            return self._logprobs_with(self.engine, token_ids, attention_mask, micro_batch_size)
+            return self._logprobs_with(self.engine, token_ids, attention_mask, micro_batch_size, needed)
         finally:
             self.engine.train(was_training)
 
-    def compute_ref_logprobs(self, token_ids, attention_mask=None, micro_batch_size: int | None = None) -> torch.Tensor:
+    def compute_ref_logprobs(self, token_ids, attention_mask=None, micro_batch_size: int | None = None,
+                             needed: torch.Tensor | None = None) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("this learner has no reference model (set reference_model=True or a KL coefficient)")
-        return self._logprobs_with(self.reference, token_ids, attention_mask, micro_batch_size)
+        return self._logprobs_with(self.reference, token_ids, attention_mask, micro_batch_size, needed)
 
     @torch.no_grad()
     def compute_teacher_topk(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,20 +535,29 @@ class Learner:
             return mask.sum()
         return (mask.sum(-1) > 0).float().sum()
 
-    def _micro_loss(self, mb: TrainBatch, weight: float, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(self, mb: TrainBatch, weight: float, step: int, teacher_scale: float) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """The micro-batch's share of the mini-batch loss, its stats, and its detached log-probs.
+
+        ``weight`` scales the PG-side terms and ``teacher_scale`` (K·GA / evidence-poor
+        trajectories of the mini-batch) the teacher KL's per-trajectory sum, so that both add up
+        to the mini-batch loss over micro-batches and ranks (module docstring).
+        """
         lc = self.config.loss
-        logits = self._forward(self.engine, mb["token_ids"], mb["attention_mask"])
-        ids = mb["token_ids"].to(self.device)
-        mask = mb["loss_mask"].to(self.device, torch.float32).clone()
+        mask = mb["loss_mask"].to(torch.float32).clone()
         mask[:, 0] = 0  # nothing predicts the first token
-        scaled = logits.float() / self.config.temperature  # z / T
-        log_probs = token_logprobs(scaled, ids)
-        old = mb["old_logprobs"].to(self.device, torch.float32)
+        logits, packed = self._packed_logits(self.engine, mb["token_ids"], mb["attention_mask"], mask > 0)
+        mask = mask.to(self.device)
+        scaled = logits.float() / self.config.temperature  # z / T at the entries, [M, V]
+        log_probs = packed.scatter(entry_logprobs(scaled, packed.targets))
+        # Without old log-probs the weights have not moved since the rollout (first mini-batch of
+        # a "rollout" update), so π_old is this very forward's value: ratio 1, as a recomputation gives.
+        old = mb["old_logprobs"].to(self.device, torch.float32) if "old_logprobs" in mb else log_probs.detach()
         adv = mb["advantages"].to(self.device, torch.float32)
 
         pg, pg_stats = clipped_policy_loss(
             log_probs, old, adv, mask, clip_low=lc.clip_low, clip_high=lc.clip_high,
             aggregation=lc.aggregation, token_sum_norm=lc.token_sum_norm,
+            dual_clip=lc.dual_clip, clip_ratio_c=lc.clip_ratio_c,
         )
         loss = pg
         stats = {"pg_loss": pg.item(), **{k: float(v) for k, v in pg_stats.items()}}
@@ -468,27 +567,31 @@ class Learner:
             loss = loss + lc.kl_coef * kl  # + β·KL(π_θ ‖ π_ref)
             stats["kl_loss"] = kl.item()
         with torch.set_grad_enabled(lc.entropy_coef > 0):
-            # Entropy only where the mask is on (the full-vocabulary softmax is not free); the
-            # logits at t − 1 are the distribution token t was drawn from.
-            trained = mask[:, 1:] > 0
-            entropy_tok = scaled.new_zeros(mask.shape)
-            entropy_tok[:, 1:][trained] = entropy_from_logits(scaled[:, :-1][trained])
-            entropy = aggregate_loss(entropy_tok, mask, lc.aggregation)
+            # Entropy only at the trained positions (the full-vocabulary softmax is not free): the
+            # entries' logits are the distributions their tokens were drawn from.
+            entropy = aggregate_loss(packed.scatter(entropy_from_logits(scaled)), mask, lc.aggregation)
         if lc.entropy_coef > 0:
             loss = loss - lc.entropy_coef * entropy  # − c_H·H
         stats["entropy"] = entropy.item()
+        stats["loss"] = loss.item()
         loss = loss * weight
         if lc.teacher_kl:
-            student = torch.nn.functional.pad(logits[:, :-1], (0, 0, 1, 0))  # logits that predict token t
-            per_pos = topk_forward_kl(student, mb["teacher_topk_values"].to(self.device), mb["teacher_topk_indices"].to(self.device))
-            span = mb["teacher_kl_mask"].to(self.device, torch.float32) * (mb["teacher_positions"].to(self.device) > 0).float() * mask.gt(0).float()
+            # Student logits (not divided by T) at the entries against the teacher's top-K there.
+            top_values = packed.gather(mb["teacher_topk_values"]).to(self.device)
+            top_indices = packed.gather(mb["teacher_topk_indices"]).to(self.device)
+            per_pos = packed.scatter(topk_forward_kl(logits[None], top_values[None], top_indices[None])[0])
+            span = teacher_kl_span(mb).to(self.device)
             low_eo = mb["evidence_overlap"].to(self.device) < lc.evidence_threshold  # EO < θ_P
             lam = teacher_kl_weight(step, lc.teacher_max_weight, lc.teacher_warmup_steps)  # λ̄·min(1, step/W)
             t_loss, t_stats = selective_teacher_kl_loss(per_pos, span, low_eo, lam)
-            loss = loss + t_loss
-            stats.update({k: float(v) for k, v in t_stats.items()})
-        stats["loss"] = loss.item()
-        return loss, stats
+            # t_loss = λ·Σ_i KL_i / n_micro; the paper's mean runs over the evidence-poor
+            # trajectories of the whole batch: λ·Σ_i KL_i / n_low, times K·GA as for the PG terms.
+            n_micro = float(t_stats["teacher_kl_trajectories"])
+            teacher_term = t_loss * (n_micro * teacher_scale)
+            loss = loss + teacher_term
+            stats.update(teacher_kl=float(t_stats["teacher_kl"]), teacher_kl_trajectories=n_micro,
+                         teacher_loss=teacher_term.item() / (self.world_size * self.grad_accum))
+        return loss, stats, log_probs.detach()
 
     def _grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()
@@ -499,14 +602,35 @@ class Learner:
             return None
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
+    def _all_reduce(self, values: torch.Tensor, op=None) -> tuple[torch.Tensor, float]:
+        """All-reduce over the data-parallel ranks; returns the result and the seconds spent (waiting)."""
+        if self.world_size == 1:
+            return values, 0.0
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.all_reduce(values, op=op or dist.ReduceOp.SUM)
+        return values, time.perf_counter() - t0
+
     def update(self, batch: TrainBatch, step: int | None = None) -> dict[str, float]:
         """PPO epochs over mini-batches of this rank's shard; returns averaged metrics.
 
         ``step`` is the trainer step (for the teacher-KL ramp); defaults to the learner's version.
         All ranks of a group must call this together with equally sized shards.
-        """
-        import torch.distributed as dist
 
+        Old log-probs (when the batch has none): ``old_logprobs="recompute"`` runs a no-grad pass
+        over the batch before the first update. ``"rollout"`` skips it: until the first optimizer
+        step the weights are the rollout's, so the first mini-batch takes π_old from its own
+        training forward (exactly what the pass would compute); later mini-batches and epochs use
+        the rollout's sampled logprobs. The drift between those and the learner's own values is
+        measured on the first mini-batch; if its mean exceeds ``max_logprob_drift`` (or the batch
+        has no sampled logprobs and more than one update follows), the learner recomputes π_old
+        for the whole batch before the first optimizer step, as ``"recompute"`` would.
+
+        Metrics include the time breakdown ``seconds_*`` (old-logprob pass, reference pass,
+        teacher pass, forward, backward, optimizer, waiting on other ranks) and
+        ``padding_share`` / ``prompt_share_saved`` of the training forwards.
+        """
         cfg = self.config
         missing = [k for k in _REQUIRED if k not in batch]
         if missing:
@@ -524,17 +648,39 @@ class Learner:
                 f"mini-batch {per_rank} (mini_batch_size {cfg.mini_batch_size} / {self.world_size} learners)"
             )
         started = time.perf_counter()
+        seconds = dict.fromkeys(("old_logprobs", "reference", "teacher", "forward", "backward", "optimizer", "wait"), 0.0)
+        self._tokens_computed = self._tokens_padded = 0
         batch = dict(batch)
-        if "old_logprobs" not in batch:
-            batch["old_logprobs"] = self.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-        drift = _logprob_drift(batch.pop("sampled_logprobs", None), batch["old_logprobs"], batch["loss_mask"])
+        sampled = batch.pop("sampled_logprobs", None)
+        trained = batch["loss_mask"] > 0
+        trained[:, 0] = False
+        single_update = cfg.ppo_epochs == 1 and n == per_rank
+        recomputed = False
+
+        def recompute_old() -> None:
+            t0 = time.perf_counter()
+            batch["old_logprobs"] = self.compute_logprobs(batch["token_ids"], batch["attention_mask"], needed=trained)
+            seconds["old_logprobs"] += time.perf_counter() - t0
+
+        own_old = "old_logprobs" not in batch and cfg.old_logprobs == "rollout" and (single_update or sampled is not None)
+        if "old_logprobs" not in batch and not own_old:
+            recompute_old()
+            recomputed = True
+        drift = {} if own_old else _logprob_drift(sampled, batch["old_logprobs"], batch["loss_mask"])
         if cfg.loss.kl_coef > 0 and "ref_logprobs" not in batch:
-            batch["ref_logprobs"] = self.compute_ref_logprobs(batch["token_ids"], batch["attention_mask"])
+            t0 = time.perf_counter()
+            batch["ref_logprobs"] = self.compute_ref_logprobs(batch["token_ids"], batch["attention_mask"], needed=trained)
+            seconds["reference"] += time.perf_counter() - t0
         if cfg.loss.teacher_kl:
+            t0 = time.perf_counter()
             batch["teacher_topk_values"], batch["teacher_topk_indices"] = self.compute_teacher_topk(batch)
+            seconds["teacher"] += time.perf_counter() - t0
         # The teacher's full input is no longer needed once its top-K is taken.
         for key in ("teacher_token_ids", "teacher_attention_mask"):
             batch.pop(key, None)
+        if own_old and sampled is not None:
+            batch["sampled_logprobs"] = sampled  # travels with the first mini-batch's rows for the drift check
+        first_pass_tokens = (self._tokens_computed, self._tokens_padded)
 
         self.engine.train()
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version * 1009 + self.rank)
@@ -542,24 +688,50 @@ class Learner:
         teacher_kl_sum = teacher_trajectories = 0.0
         grad_norms: list[float] = []
         tokens = 0
-        for _ in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             order = torch.randperm(n, generator=gen) if cfg.shuffle else torch.arange(n)
             for m0 in range(0, n, per_rank):
                 mini = slice_batch(batch, order[m0 : m0 + per_rank])
-                count = self._count(mini).reshape(1)
-                if self.world_size > 1:
-                    dist.all_reduce(count)  # global normaliser of this mini-batch
-                total = float(count.item())
+                # Rows that share a prompt go into the same micro-batch; the update does not
+                # depend on how a mini-batch is split (each micro loss is weighted by its share).
+                mini = slice_batch(mini, shared_prompt_order(mini["token_ids"], mini["attention_mask"]))
+                checking = own_old and "old_logprobs" not in mini  # first mini-batch of a "rollout" update
+                counts = torch.stack([self._count(mini), teacher_kl_eligible(mini, cfg.loss.evidence_threshold).sum()
+                                      if cfg.loss.teacher_kl else torch.tensor(0.0)]).float()
+                counts, waited = self._all_reduce(counts)  # global normalisers of this mini-batch
+                seconds["wait"] += waited
+                total, n_low = float(counts[0]), float(counts[1])
+                teacher_scale = self.world_size * self.grad_accum / n_low if n_low > 0 else 0.0
                 acc: dict[str, float] = {}
+                checked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
                 for u0 in range(0, per_rank, cfg.micro_batch_size):
                     micro = slice_batch(mini, slice(u0, u0 + cfg.micro_batch_size))
                     # n_micro · K · GA / n_global (see the module docstring)
                     weight = float(self._count(micro)) * self.world_size * self.grad_accum / total if total > 0 else 0.0
-                    loss, stats = self._micro_loss(micro, weight, step)
+                    t0 = time.perf_counter()
+                    loss, stats, current = self._micro_loss(micro, weight, step, teacher_scale)
+                    t1 = time.perf_counter()
                     self.engine.backward(loss)
+                    seconds["forward"] += t1 - t0
+                    seconds["backward"] += time.perf_counter() - t1
+                    if checking and "sampled_logprobs" in micro:
+                        checked.append((micro["sampled_logprobs"], current.cpu(), micro["loss_mask"]))
                     boundary = self.engine.is_gradient_accumulation_boundary()
+                    if boundary and checking and not single_update:
+                        # Before the first optimizer step: the last moment a recomputation is exact.
+                        drift = _logprob_drift(*(torch.cat(x) for x in zip(*checked)))
+                        too_far = torch.tensor([float(drift.get("logprob_drift_mean", 0.0) > cfg.max_logprob_drift)])
+                        too_far, waited = self._all_reduce(too_far, _max_op())
+                        seconds["wait"] += waited
+                        if float(too_far) > 0:
+                            recompute_old()
+                            recomputed = True
+                        else:
+                            batch["old_logprobs"] = batch["sampled_logprobs"]
                     norm = self._grad_norm() if boundary and cfg.zero_stage == 0 else None
+                    t0 = time.perf_counter()
                     self.engine.step()
+                    seconds["optimizer"] += time.perf_counter() - t0
                     if boundary:
                         norm = norm if norm is not None else self._grad_norm()
                         if norm is not None and math.isfinite(norm):
@@ -568,10 +740,17 @@ class Learner:
                     n_traj = stats.pop("teacher_kl_trajectories", 0.0)
                     teacher_kl_sum += stats.pop("teacher_kl", 0.0) * n_traj
                     teacher_trajectories += n_traj
+                    teacher_loss = stats.pop("teacher_loss", None)
                     # Weighted like the loss, so that after averaging over ranks each stat is the
                     # mini-batch value, independent of how it was split into micro-batches.
                     for k, v in stats.items():
                         acc[k] = acc.get(k, 0.0) + v * weight / (self.world_size * self.grad_accum)
+                    if teacher_loss is not None:
+                        acc["teacher_loss"] = acc.get("teacher_loss", 0.0) + teacher_loss
+                if checking and single_update and checked:
+                    drift = _logprob_drift(*(torch.cat(x) for x in zip(*checked)))
+                if "teacher_loss" in acc:
+                    acc["loss"] += acc["teacher_loss"]
                 per_mini.append({k: v * self.world_size for k, v in acc.items()})
         elapsed = time.perf_counter() - started
         self.version += 1
@@ -580,14 +759,21 @@ class Learner:
         if cfg.loss.teacher_kl:
             metrics["teacher_kl"] = teacher_kl_sum / teacher_trajectories if teacher_trajectories else 0.0
             metrics["teacher_kl_trajectories"] = teacher_trajectories / cfg.ppo_epochs
+        computed = self._tokens_computed - first_pass_tokens[0]
+        padded = self._tokens_padded - first_pass_tokens[1]
         metrics.update(
             grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             optimizer_steps=float(cfg.ppo_epochs * (n // per_rank)),
             tokens=float(tokens),
+            tokens_computed=float(computed),
+            padding_share=padded / (computed + padded) if computed + padded else 0.0,
+            prompt_share_saved=1.0 - computed / tokens if tokens else 0.0,
+            old_logprobs_recomputed=float(recomputed),
             update_seconds=elapsed,
             tokens_per_s=tokens / elapsed if elapsed > 0 else float("nan"),
             lr=float(self.optimizer.param_groups[0]["lr"]),
             weight_version=float(self.version),
+            **{f"seconds_{k}": v for k, v in seconds.items()},
         )
         return metrics
 
@@ -744,7 +930,7 @@ def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         out["logprob_drift_mean"] = (sum(m["logprob_drift_mean"] * m["logprob_drift_tokens"] for m in per_rank) / total
                                      if total else 0.0)
         out["logprob_drift_tokens"] = total
-    for k in ("tokens", "tokens_per_s", "teacher_kl_trajectories"):  # these add up over ranks
+    for k in ("tokens", "tokens_computed", "tokens_per_s", "teacher_kl_trajectories"):  # these add up over ranks
         if k in out:
             out[k] = sum(m[k] for m in per_rank)
     out["update_seconds"] = max(m["update_seconds"] for m in per_rank)

@@ -1,4 +1,4 @@
-"""Serving a trained agent: request validation, the agent loop and three thin Ray Serve deployments.
+"""Serving a trained agent: the agent loop, batched generation and three thin Ray Serve deployments.
 
 The pieces, from the bottom up:
 
@@ -7,16 +7,15 @@ The pieces, from the bottom up:
   token bookkeeping). It takes any engine (``generate(prompts, sampling, stop, max_new)``) and any
   retriever (``retrieve(queries, mode, k)``), so it runs without Ray on an ``HFEngine`` and a
   ``raggym.retrieval.Retriever``, and inside Serve on the handle wrappers below.
-* ``HttpApi`` turns ``(method, path, content type, body bytes)`` into ``(status, JSON payload)``:
-  routing (404/405), content type (415), body size (413), JSON and field validation (400) and the
-  OpenAI wire format. It is plain Python as well; every error is
-  ``{"error": {"message", "type", "param", "code"}}``. Model output is only parsed by the dialect,
-  never executed or evaluated.
+* ``actors.serving_http.AgentApi`` is the HTTP layer: a FastAPI app with pydantic request and
+  response models, OpenAI-shaped errors (``{"error": {"message", "type", "param", "code"}}``),
+  optional API keys and the per-replica cap on episodes in flight. It runs without Ray too. Model
+  output is only parsed by the dialect, never executed or evaluated.
 * ``PolicyServer``, ``RetrievalServer`` and ``AgentServer`` are the Ray Serve deployments (built
   by ``make_deployments``): the policy engine behind ``@serve.batch`` (concurrent episodes' turns
-  become one batched ``generate``), the retriever behind ``@serve.batch`` (one ``retrieve`` per
-  mode for concurrent searches), and the HTTP ingress, which runs each episode in a worker thread
-  and reaches the other two through deployment handles.
+  become one batched ``generate``; with vLLM its ``AsyncLLM``), the retriever behind ``@serve.batch``
+  (one ``retrieve`` per mode for concurrent searches), and the HTTP ingress (``@serve.ingress``),
+  which runs each episode in a worker thread and reaches the other two through deployment handles.
 
 ``experiments/serve.py`` builds the application and the ``raggym serve`` command;
 ``docs/serving.md`` describes the HTTP API.
@@ -25,7 +24,6 @@ The pieces, from the bottom up:
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import uuid
@@ -34,6 +32,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Callable, Sequence
 
 from actors.engines.base import GenerationResult, SamplingParams
+from actors.serving_http import AgentApi, AnswerRequest, ApiError, ApiKeys, EpisodeStopped
 from raggym.retrieval.base import MODES
 
 # ----------------------------------------------------------------------------- settings
@@ -56,19 +55,23 @@ class ServeSettings:
     temperature: float = 0.0  # 0 = greedy; > 0 samples from torch's global generator
     top_p: float = 1.0
     request_timeout_s: float = 300.0  # one engine or retrieval call, seen from the agent
-    max_concurrent_requests: int = 256  # episodes in flight in the ingress (worker threads)
+    # Backpressure: episodes in flight per ingress replica (one worker thread each); one more gets
+    # 503 with Retry-After at once. An episode running longer than request_deadline_s gets 504.
+    max_episodes_in_flight: int = 128
+    request_deadline_s: float = 300.0
+    retry_after_s: int = 1
     max_batch_size: int = 16  # prompts per batched generate
     batch_wait_timeout_s: float = 0.01
     retrieval_max_batch_size: int = 32
     retrieval_batch_wait_timeout_s: float = 0.005
     # GET /v1/status (engine, index and batching details, which name files on the server's disk) is
-    # off unless asked for: the API has no authentication yet, and /healthz only says "ok".
+    # off unless asked for; /healthz, open even when API keys are on, only says "ok".
     status_endpoint: bool = False
 
     def __post_init__(self):
         ints = ("top_k", "default_max_turns", "max_turns_limit", "max_question_chars", "max_body_bytes",
-                "max_turn_tokens", "max_response_tokens", "max_observation_tokens", "max_concurrent_requests",
-                "max_batch_size", "retrieval_max_batch_size")
+                "max_turn_tokens", "max_response_tokens", "max_observation_tokens", "max_episodes_in_flight",
+                "max_batch_size", "retrieval_max_batch_size", "retry_after_s")
         for name in ints:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"serve setting {name} must be >= 1, got {getattr(self, name)}")
@@ -76,6 +79,8 @@ class ServeSettings:
             raise ValueError(f"default_max_turns ({self.default_max_turns}) must lie in 1..max_turns_limit ({self.max_turns_limit})")
         if self.batch_wait_timeout_s < 0 or self.retrieval_batch_wait_timeout_s < 0 or self.request_timeout_s <= 0:
             raise ValueError("batch wait timeouts must be >= 0 and request_timeout_s > 0")
+        if self.request_deadline_s <= 0:
+            raise ValueError(f"request_deadline_s must be > 0, got {self.request_deadline_s}")
         SamplingParams(temperature=self.temperature, top_p=self.top_p)  # validates both
 
     @classmethod
@@ -167,8 +172,12 @@ class AgentCore:
         return None if default in self.supported_modes else ("passage",)
 
     def answer(self, question: str, max_turns: int | None = None, modes: Sequence[str] | None = None,
-               request_id: str | None = None) -> dict:
-        """Run the episode; returns the response body of ``POST /v1/answer``."""
+               request_id: str | None = None, stop: threading.Event | None = None) -> dict:
+        """Run the episode; returns the response body of ``POST /v1/answer``.
+
+        Setting ``stop`` (the client left, the deadline passed) ends the episode with
+        ``EpisodeStopped`` before its next model call.
+        """
         from envs.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
         from envs import RagSearchEnv
         from raggym.data.types import Question
@@ -182,7 +191,8 @@ class AgentCore:
         q = Question(id=request_id or uuid.uuid4().hex, question=question, answers=("(not known)",))
         config = RolloutConfig(max_response_tokens=s.max_response_tokens, max_turn_tokens=s.max_turn_tokens,
                                max_observation_tokens=s.max_observation_tokens, waves=1)
-        traj = MultiTurnRollout(LocalBackend(self.engine), self.tokenizer, s.sampling, config).run([env], [q])[0]
+        engine = self.engine if stop is None else _StoppableEngine(self.engine, stop)
+        traj = MultiTurnRollout(LocalBackend(engine), self.tokenizer, s.sampling, config).run([env], [q])[0]
         record = env.record
         prompt_tokens = int(traj.prompt_length)
         completion = int(traj.response_length)
@@ -200,6 +210,18 @@ class AgentCore:
             "dialect": self.dialect.name,
             "allowed_modes": list(env.allowed_modes or (self.supported_modes if self.multi_mode else (env.search_mode,))),
         }
+
+
+class _StoppableEngine:
+    """The episode's engine, refusing further calls once ``stop`` is set (each turn is one call)."""
+
+    def __init__(self, engine, stop: threading.Event):
+        self.engine, self.stop = engine, stop
+
+    def generate(self, *args, **kwargs):
+        if self.stop.is_set():
+            raise EpisodeStopped("the episode was stopped (client gone or deadline passed)")
+        return self.engine.generate(*args, **kwargs)
 
 
 def turn_summary(turn) -> dict:
@@ -333,301 +355,6 @@ class MergingRunner:
                         fut.set_result(res)
 
 
-# ----------------------------------------------------------------------------- HTTP API (no Ray)
-
-
-class ApiError(Exception):
-    """A request the server refuses; becomes ``{"error": {...}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def payload(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _json_type(value) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
-            int: "integer", float: "number"}.get(type(value), type(value).__name__)
-
-
-def _has_lone_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-@dataclass
-class AnswerRequest:
-    question: str
-    max_turns: int
-    modes: tuple[str, ...] | None = None
-
-
-_ANSWER_FIELDS = ("question", "max_turns", "modes")
-# OpenAI chat parameters: sampling knobs are accepted and ignored (the server's sampling settings
-# apply to every episode); these others ask for something the agent does not do.
-_CHAT_IGNORED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "user", "seed", "presence_penalty",
-                 "frequency_penalty", "stop", "metadata", "store", "service_tier", "logit_bias", "stream_options",
-                 "top_logprobs", "parallel_tool_calls", "reasoning_effort")
-_CHAT_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "audio", "modalities",
-                     "prediction", "web_search_options")
-
-
-class HttpApi:
-    """Routing, validation and response shapes of the served agent, independent of Ray.
-
-    ``answer_fn(question, max_turns, modes, request_id) -> dict`` runs an episode (``AgentCore.answer``);
-    ``status_fn() -> dict`` adds engine and retrieval figures to ``/v1/status``, which exists only
-    when ``settings.status_endpoint`` is on. ``/healthz`` is liveness alone: it names no model
-    directory, index path or other file of the server.
-    """
-
-    ROUTES = {
-        "/healthz": ("GET",),
-        "/v1/models": ("GET",),
-        "/v1/answer": ("POST",),
-        "/v1/chat/completions": ("POST",),
-    }
-    STATUS_ROUTE = "/v1/status"
-
-    def __init__(self, answer_fn: Callable[..., dict], settings: ServeSettings, supported_modes: Sequence[str],
-                 multi_mode: bool = True, status_fn: Callable[[], dict] | None = None, created: int | None = None):
-        self.answer_fn = answer_fn
-        self.settings = settings
-        self.supported_modes = tuple(supported_modes)
-        self.multi_mode = multi_mode
-        self.status_fn = status_fn
-        self.routes = dict(self.ROUTES)
-        if settings.status_endpoint:
-            self.routes[self.STATUS_ROUTE] = ("GET",)
-        self.created = int(created or time.time())
-        self.served = 0
-        self.refused = 0
-        self._lock = threading.Lock()
-
-    # -------------------------------------------------------------- entry point
-    def route(self, method: str, path: str) -> str:
-        """The endpoint for ``path`` or an ``ApiError`` (404 unknown path, 405 wrong method)."""
-        path = "/" + path.strip("/") if path.strip("/") else "/"
-        allowed = self.routes.get(path)
-        if allowed is None:
-            raise ApiError(404, f"no endpoint {path}; available: {', '.join(f'{m[0]} {p}' for p, m in self.routes.items())}",
-                           "not_found_error", code="unknown_endpoint")
-        if method.upper() not in allowed:
-            raise ApiError(405, f"{path} accepts {', '.join(allowed)}, not {method.upper()}", "invalid_request_error",
-                           code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
-        return path
-
-    def handle(self, method: str, path: str, content_type: str | None, body: bytes) -> tuple[int, dict, dict]:
-        """One HTTP request -> ``(status, JSON payload, extra headers)``; never raises."""
-        try:
-            endpoint = self.route(method, path)
-            if endpoint == "/healthz":
-                result = self.health()
-            elif endpoint == self.STATUS_ROUTE:
-                result = self.status()
-            elif endpoint == "/v1/models":
-                result = self.models()
-            else:
-                payload = self.read_json(content_type, body)
-                if endpoint == "/v1/answer":
-                    result = self.answer(payload)
-                else:
-                    result = self.chat(payload)
-            with self._lock:
-                self.served += 1
-            return 200, result, {}
-        except ApiError as e:
-            with self._lock:
-                self.refused += 1
-            return e.status, e.payload(), e.headers
-        except Exception as e:  # noqa: BLE001 - an episode that failed inside the server
-            return 500, ApiError(500, f"the server failed to answer: {type(e).__name__}: {e}", "server_error").payload(), {}
-
-    # -------------------------------------------------------------- parsing
-    def read_json(self, content_type: str | None, body: bytes) -> dict:
-        media = (content_type or "").split(";")[0].strip().lower()
-        if media != "application/json":
-            raise ApiError(415, f"the request body must be JSON sent with Content-Type: application/json, "
-                                f"got {content_type or 'no Content-Type'}", code="unsupported_media_type")
-        if len(body) > self.settings.max_body_bytes:
-            raise ApiError(413, f"the request body is {len(body)} bytes; the limit is {self.settings.max_body_bytes}",
-                           code="body_too_large")
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(payload, dict):
-            raise ApiError(400, f"the request body must be a JSON object, got {_json_type(payload)}", code="invalid_json")
-        return payload
-
-    def parse_answer(self, payload: dict) -> AnswerRequest:
-        """Validate a ``/v1/answer`` body (also the core of the chat endpoint's options)."""
-        unknown = [k for k in payload if k not in _ANSWER_FIELDS]
-        if unknown:
-            raise ApiError(400, f"unknown field {unknown[0]!r}; /v1/answer accepts {', '.join(_ANSWER_FIELDS)}",
-                           param=str(unknown[0]), code="unknown_field")
-        if "question" not in payload:
-            raise ApiError(400, "missing required field 'question'", param="question", code="missing_field")
-        question = self.check_question(payload["question"], "question")
-        return AnswerRequest(question, self.check_max_turns(payload.get("max_turns")), self.check_modes(payload.get("modes")))
-
-    def check_question(self, value, param: str) -> str:
-        if not isinstance(value, str):
-            raise ApiError(400, f"'{param}' must be a string, got {_json_type(value)}", param=param, code="invalid_type")
-        if not value.strip():
-            raise ApiError(400, f"'{param}' is empty", param=param, code="invalid_value")
-        limit = self.settings.max_question_chars
-        if len(value) > limit:
-            raise ApiError(400, f"'{param}' is {len(value)} characters long; the limit is {limit}", param=param,
-                           code="too_long")
-        if _has_lone_surrogate(value):
-            raise ApiError(400, f"'{param}' contains an unpaired surrogate (not valid Unicode text)", param=param,
-                           code="invalid_value")
-        return value.strip()
-
-    def check_max_turns(self, value, param: str = "max_turns") -> int:
-        limit = self.settings.max_turns_limit
-        if value is None:
-            return self.settings.default_max_turns
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ApiError(400, f"'{param}' must be an integer, got {_json_type(value)}", param=param, code="invalid_type")
-        if not 1 <= value <= limit:
-            raise ApiError(400, f"'{param}' must lie in 1..{limit}, got {value}", param=param, code="out_of_range")
-        return int(value)
-
-    def check_modes(self, value, param: str = "modes") -> tuple[str, ...] | None:
-        if value is None:
-            return None
-        if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-            raise ApiError(400, f"'{param}' must be an array of strings, e.g. [\"passage\"]", param=param, code="invalid_type")
-        if not value:
-            raise ApiError(400, f"'{param}' is empty; name at least one of {', '.join(self.supported_modes)}", param=param,
-                           code="invalid_value")
-        modes = tuple(dict.fromkeys(value))
-        for m in modes:
-            if m not in MODES:
-                raise ApiError(400, f"unknown retrieval mode {m!r} in '{param}'; known modes: {', '.join(MODES)}",
-                               param=param, code="unknown_mode")
-            if m not in self.supported_modes:
-                raise ApiError(400, f"retrieval mode {m!r} is not available: this index has no knowledge graph, so "
-                                    f"only {', '.join(self.supported_modes)} can be served", param=param,
-                               code="unsupported_mode")
-        if not self.multi_mode and len(modes) > 1:
-            raise ApiError(400, f"the {self.settings.dialect} dialect runs one retrieval mode per episode; give exactly one "
-                                f"mode in '{param}'", param=param, code="invalid_value")
-        return modes
-
-    # -------------------------------------------------------------- endpoints
-    def health(self) -> dict:
-        """Liveness: the ingress answers. Nothing about the server's files (the model name can be one)."""
-        return {"status": "ok"}
-
-    def status(self) -> dict:
-        """Details for operators (``GET /v1/status``, off by default): the index path is among them."""
-        out = {"status": "ok", "model": self.settings.model_name, "dialect": self.settings.dialect,
-               "modes": list(self.supported_modes), "requests": {"served": self.served, "refused": self.refused}}
-        if self.status_fn is not None:
-            out.update(self.status_fn())
-        return out
-
-    def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "raggym"}]}
-
-    def answer(self, payload: dict) -> dict:
-        req = self.parse_answer(payload)
-        out = self.answer_fn(req.question, req.max_turns, req.modes, "ans-" + uuid.uuid4().hex)
-        out["model"] = self.settings.model_name
-        return out
-
-    def chat(self, payload: dict) -> dict:
-        question, options = self.parse_chat(payload)
-        rid = "chatcmpl-" + uuid.uuid4().hex
-        result = self.answer_fn(question, options.max_turns, options.modes, rid)
-        tokens = result["tokens"]
-        prompt_tokens = tokens["prompt"] + tokens["observation"]
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.settings.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result["answer"] or ""},
-                         "logprobs": None, "finish_reason": "stop" if result["answer"] is not None else "length"}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens["completion"],
-                      "total_tokens": prompt_tokens + tokens["completion"]},
-            "raggym": {k: v for k, v in result.items() if k != "id"},
-        }
-
-    def parse_chat(self, payload: dict) -> tuple[str, AnswerRequest]:
-        known = {"model", "messages", "n", "stream", "logprobs", "raggym", *_CHAT_IGNORED, *_CHAT_UNSUPPORTED}
-        unknown = [k for k in payload if k not in known]
-        if unknown:
-            raise ApiError(400, f"unrecognized request argument {unknown[0]!r}", param=str(unknown[0]), code="unknown_field")
-        for key in _CHAT_UNSUPPORTED:
-            if payload.get(key) not in (None, [], {}):
-                raise ApiError(400, f"'{key}' is not supported: the agent answers with text found by retrieval", param=key,
-                               code="unsupported_parameter")
-        if payload.get("stream"):
-            raise ApiError(400, "streaming is not supported; send stream=false", param="stream", code="unsupported_parameter")
-        if payload.get("logprobs"):
-            raise ApiError(400, "logprobs are not returned by the agent endpoint", param="logprobs",
-                           code="unsupported_parameter")
-        n = payload.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise ApiError(400, f"'n' must be 1, got {json.dumps(n)}", param="n", code="unsupported_parameter")
-        if "model" not in payload:
-            raise ApiError(400, "missing required field 'model'", param="model", code="missing_field")
-        if payload["model"] != self.settings.model_name:
-            raise ApiError(404, f"the model {payload['model']!r} does not exist; this server serves "
-                                f"{self.settings.model_name!r} (GET /v1/models)", "invalid_request_error", param="model",
-                           code="model_not_found")
-        if "messages" not in payload:
-            raise ApiError(400, "missing required field 'messages'", param="messages", code="missing_field")
-        messages = payload["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
-        if len(messages) != 1:
-            raise ApiError(400, f"'messages' must hold exactly one user message (the question); got {len(messages)} "
-                                "messages. The agent writes its own prompt, so system messages and earlier turns are "
-                                "not accepted", param="messages", code="unsupported_messages")
-        msg = messages[0]
-        if not isinstance(msg, dict):
-            raise ApiError(400, f"'messages[0]' must be an object, got {_json_type(msg)}", param="messages",
-                           code="invalid_type")
-        if msg.get("role") != "user":
-            raise ApiError(400, f"'messages[0].role' must be 'user', got {json.dumps(msg.get('role'))}", param="messages",
-                           code="unsupported_messages")
-        extra = [k for k in msg if k not in ("role", "content", "name")]
-        if extra:
-            raise ApiError(400, f"unsupported field {extra[0]!r} in messages[0]", param="messages", code="unknown_field")
-        content = msg.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, "message content parts must be {\"type\": \"text\", \"text\": ...}",
-                                   param="messages", code="invalid_type")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        question = self.check_question(content, "messages[0].content")
-        options = payload.get("raggym") or {}
-        if not isinstance(options, dict):
-            raise ApiError(400, f"'raggym' must be an object, got {_json_type(options)}", param="raggym", code="invalid_type")
-        unknown = [k for k in options if k not in ("max_turns", "modes")]
-        if unknown:
-            raise ApiError(400, f"unknown field {unknown[0]!r} in 'raggym'; accepted: max_turns, modes",
-                           param=f"raggym.{unknown[0]}", code="unknown_field")
-        return question, AnswerRequest(question, self.check_max_turns(options.get("max_turns"), "raggym.max_turns"),
-                                       self.check_modes(options.get("modes"), "raggym.modes"))
-
-
 # ----------------------------------------------------------------------------- clients of the handles
 
 
@@ -643,8 +370,8 @@ class HandleEngine:
 
     def generate(self, prompt_token_ids, sampling=None, stop_strings=(), max_new_tokens: int = 256):
         sampling = sampling or SamplingParams()
-        calls = [self.handle.generate.remote(GenerationRequest(tuple(int(t) for t in p), sampling, tuple(stop_strings),
-                                                               int(max_new_tokens)))
+        calls = [self.handle.submit.remote(GenerationRequest(tuple(int(t) for t in p), sampling, tuple(stop_strings),
+                                                             int(max_new_tokens)))
                  for p in prompt_token_ids]
         return [c.result(timeout_s=self.timeout_s) for c in calls]
 
@@ -677,24 +404,40 @@ _CONCURRENT_BATCHES = 8
 def make_deployments():
     """The three deployment classes (imported here so the module above stays Ray-free)."""
     from ray import serve
-    from starlette.responses import JSONResponse
 
     class PolicyServer:
-        """The policy engine; concurrent turns arrive one prompt per call and leave as one batch."""
+        """The policy engine; concurrent turns arrive one prompt per call.
+
+        ``engine="hf"``: ``HFEngine`` behind ``@serve.batch`` and a ``MergingRunner`` (concurrent
+        turns leave as one batched ``generate``). ``engine="vllm"``: vLLM's ``AsyncLLM``, which
+        batches continuously by itself, so each prompt goes straight to it.
+        """
 
         def __init__(self, policy: str, engine: str = "hf", engine_kwargs: dict | None = None,
                      max_batch_size: int = 16, batch_wait_timeout_s: float = 0.01, threads: int | None = None):
-            from actors.engines.rollout_worker import make_engine
-
             _set_threads(threads)
             kwargs = dict(engine_kwargs or {})
-            if engine == "hf":
-                kwargs.setdefault("num_threads", threads)
-            self.engine = make_engine(engine, model=policy, **kwargs)
             self.kind = engine
-            self.runner = MergingRunner(lambda reqs: generate_grouped(self.engine, reqs), max_batch_size, "engine")
+            if engine == "vllm":
+                from actors.engines.vllm_async import AsyncVLLMEngine
+
+                self.engine = AsyncVLLMEngine(policy, **kwargs)
+                self.runner = None
+            else:
+                from actors.engines.rollout_worker import make_engine
+
+                if engine == "hf":
+                    kwargs.setdefault("num_threads", threads)
+                self.engine = make_engine(engine, model=policy, **kwargs)
+                self.runner = MergingRunner(lambda reqs: generate_grouped(self.engine, reqs), max_batch_size, "engine")
             self.generate.set_max_batch_size(int(max_batch_size))
             self.generate.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
+
+        async def submit(self, request: GenerationRequest) -> GenerationResult:
+            if self.runner is None:  # AsyncLLM schedules every request it holds into its own batches
+                return await self.engine.generate(request.prompt_ids, request.sampling, request.stop_strings,
+                                                  request.max_new_tokens)
+            return await self.generate(request)
 
         @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_concurrent_batches=_CONCURRENT_BATCHES)
         async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -702,6 +445,8 @@ def make_deployments():
 
         def info(self) -> dict:
             info = self.engine.info() if hasattr(self.engine, "info") else {"kind": self.kind}
+            if self.runner is None:
+                return info
             return {**info, "batching": self.runner.stats.as_dict(),
                     "max_batch_size": self.generate._get_max_batch_size(),
                     "batch_wait_timeout_s": self.generate._get_batch_wait_timeout_s()}
@@ -737,10 +482,16 @@ def make_deployments():
         def info(self) -> dict:
             return {"index": self.index_dir, **self.retriever.describe(), "batching": self.runner.stats.as_dict()}
 
+    @serve.ingress()
     class AgentServer:
-        """HTTP ingress: validates requests, runs episodes in worker threads, answers in JSON."""
+        """HTTP ingress: the FastAPI app of ``AgentApi``; episodes run in its worker threads.
 
-        def __init__(self, policy_handle, retrieval_handle, settings: dict, supported_modes: list[str], tokenizer_spec: str):
+        ``api_key_digests`` are SHA-256 digests (``serving_http.key_digest``): the keys themselves
+        never reach Ray, whose deployment arguments are kept in its control store.
+        """
+
+        def __init__(self, policy_handle, retrieval_handle, settings: dict, supported_modes: list[str],
+                     tokenizer_spec: str, api_key_digests: list[str] = ()):
             from raggym.models import load_policy_tokenizer
 
             self.settings = ServeSettings.from_dict(settings)
@@ -749,25 +500,14 @@ def make_deployments():
             timeout = self.settings.request_timeout_s
             self.core = AgentCore(HandleEngine(policy_handle, timeout), HandleRetriever(retrieval_handle, timeout),
                                   tokenizer, self.settings, supported_modes)
-            self.api = HttpApi(self.core.answer, self.settings, self.core.supported_modes, self.core.multi_mode,
-                               status_fn=self._status)
-            self._pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests, thread_name_prefix="episode")
+            self.api = AgentApi(self.core.answer, self.settings, self.core.supported_modes, self.core.multi_mode,
+                                api_keys=ApiKeys(api_key_digests), status_fn=self._status)
 
-        def _status(self) -> dict:
-            t = self.settings.request_timeout_s
-            return {"engine": self.policy.info.remote().result(timeout_s=t),
-                    "retrieval": self.retrieval.info.remote().result(timeout_s=t)}
+        def __serve_build_asgi_app__(self):
+            return self.api.build()
 
-        async def __call__(self, request):
-            scope = request.scope
-            path = scope.get("path", "/")
-            root = scope.get("root_path", "") or ""
-            if root and root != "/" and path.startswith(root):
-                path = path[len(root):] or "/"
-            body = await request.body()
-            status, payload, headers = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.api.handle, request.method, path, request.headers.get("content-type"), body)
-            return JSONResponse(payload, status_code=status, headers=headers)
+        async def _status(self) -> dict:
+            return {"engine": await self.policy.info.remote(), "retrieval": await self.retrieval.info.remote()}
 
     return (serve.deployment(PolicyServer, name="PolicyServer"),
             serve.deployment(RetrievalServer, name="RetrievalServer"),
@@ -775,14 +515,16 @@ def make_deployments():
 
 
 __all__ = [
+    "AgentApi",
     "AgentCore",
     "AnswerRequest",
     "ApiError",
+    "ApiKeys",
     "BatchStats",
+    "EpisodeStopped",
     "GenerationRequest",
     "HandleEngine",
     "HandleRetriever",
-    "HttpApi",
     "ServeSettings",
     "generate_grouped",
     "make_deployments",

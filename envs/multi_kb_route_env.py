@@ -10,7 +10,7 @@ call. An episode cycles through three phases:
 2. ``answer``: the model sees only the sub-question and this step's documents and writes
    ``<think>…</think><answer>…</answer>``, the intermediate answer.
 3. after at most ``max_route_steps`` routing steps (3, as in the paper), or as soon as the model
-   routes ``None``/``None``, ``final``: the model sees the question with every sub-question and
+   writes the sub-question ``None`` (the paper's stop condition, whatever ``<ret>`` holds), ``final``: the model sees the question with every sub-question and
    intermediate answer and writes the final ``<answer>``. That terminates the episode.
 
 Malformed output never raises. In the ``route`` phase it costs one routing step and the same
@@ -77,7 +77,7 @@ PHASES = (ROUTE_PHASE, ANSWER_PHASE, FINAL_PHASE)
 NO_ANSWER = "unknown"  # shown in later prompts when an intermediate answer was malformed
 
 # Why a step's output was rejected, and the truncation reason when that ends the episode.
-ROUTE_EXPECTED = "this is a routing step: write a <sub-question> and a <ret>, or None for both"
+ROUTE_EXPECTED = "this is a routing step: write a <sub-question> and a <ret>, or the sub-question None to stop"
 ANSWER_EXPECTED = "expected <think>…</think><answer>…</answer>"
 INVALID_OUTPUT_REASONS = {
     ROUTE_PHASE: "invalid_route",
@@ -244,7 +244,7 @@ class MultiKBRouteEnv(BatchedStepEnv):
                 self, self.knowledge_bases[kb], self.knowledge_base_modes[kb], self.top_k, action.query, output, action
             )
         step = self._new_step(ROUTE_PHASE, output, action)
-        if action.kind == ROUTE:  # None/None: enough information, go to the final answer
+        if action.kind == ROUTE:  # sub-question None: enough information, go to the final answer
             return self._advance(step, FINAL_PHASE)
         error = ROUTE_EXPECTED if action.kind == ANSWER else action.error or "unknown error"
         self._mark_format_error(step, error)

@@ -27,7 +27,10 @@ append observation tokens (or start the next call's prompt) -> generate again. W
 waves in flight the loop always has work for both the engine and the retriever.
 
 The token rules (exact sampled ids kept, observations tokenized once, loss mask 0 on prompt and
-observation tokens, response and observation caps) live in ``raggym.trajectory``.
+observation tokens, response and observation caps) live in ``raggym.trajectory``. The loop adds
+the budgets of ``RolloutConfig``: tokens per generation call (``max_turn_tokens``), model tokens
+per episode (``max_response_tokens``) and, optionally, tokens of the whole context
+(``max_sequence_tokens``: prompt, turns and observations together, as RouteRAG's 4,096).
 """
 
 from __future__ import annotations
@@ -55,9 +58,20 @@ class EpisodeRequest:
 @dataclass
 class RolloutConfig:
     max_response_tokens: int = 512  # model tokens per episode, all turns (calls) together
-    max_turn_tokens: int = 256  # model tokens per segment
+    max_turn_tokens: int = 256  # model tokens per segment (one generation call)
     max_observation_tokens: int = 512  # tokens kept of each observation
     waves: int = 2  # sub-batches in flight (pipelining generation against retrieval)
+    # Tokens of one model context: prompt + model turns + observations (in "replace" mode, each
+    # call's prompt and its sample). None: no cap beyond the response budget. A turn is cut to
+    # the room left, an observation too, and the episode is truncated once the context is full.
+    max_sequence_tokens: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens", "waves"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_sequence_tokens is not None and self.max_sequence_tokens < 1:
+            raise ValueError(f"RolloutConfig.max_sequence_tokens must be at least 1 or None, got {self.max_sequence_tokens}")
 
 
 @dataclass
@@ -185,7 +199,7 @@ class MultiTurnRollout:
             return
         # One engine call per wave, capped by the largest remaining budget; an episode with less
         # budget left keeps only the prefix of its sample that fits (still exact sampled ids).
-        cap = min(self.config.max_turn_tokens, max(s.builder.response_budget_left for s in active))
+        cap = min(self.config.max_turn_tokens, max(self._room(s) for s in active))
         stop = list(active[0].stepper.stop_strings or ())
         wave.generating = active
         sampling = self.sampling
@@ -205,7 +219,7 @@ class MultiTurnRollout:
             raise RuntimeError(f"engine returned {len(results)} results for {len(group)} prompts")
         for slot, res in zip(group, results):
             ids, logprobs, finish = list(res.token_ids), list(res.logprobs), res.finish_reason
-            room = slot.builder.response_budget_left
+            room = self._room(slot)
             if len(ids) > room:
                 ids, logprobs, finish = ids[:room], logprobs[:room], "length"
             text = slot.builder.add_model_turn(ids, logprobs, finish_reason=finish,
@@ -222,21 +236,50 @@ class MultiTurnRollout:
             self._after_step(slot, slot.stepper.finish_step(request, result))
         wave.requests = []
 
+    def _sequence_room(self, builder: RolloutBuilder) -> int | None:
+        """Tokens the model context can still take (None: no sequence cap)."""
+        cap = self.config.max_sequence_tokens
+        return None if cap is None else cap - len(builder.rollout.token_ids)
+
+    def _room(self, slot: _Slot) -> int:
+        """Model tokens the next turn may sample: the response budget, within the sequence cap."""
+        sequence = self._sequence_room(slot.builder)
+        budget = slot.builder.response_budget_left
+        return budget if sequence is None else max(0, min(budget, sequence))
+
+    def _end_by_length(self, slot: _Slot, reason: str) -> None:
+        slot.stepper.truncate(reason)  # the env records why and scores the episode
+        slot.builder.rollout.truncated_by_length = True
+        slot.done = True
+
     def _after_step(self, slot: _Slot, step) -> None:
         observation, _, terminated, truncated, _ = step
         if terminated or truncated:
             slot.done = True
             return
         if self.config.max_response_tokens - slot.used <= 0:
-            slot.stepper.truncate("response_tokens")  # the env records why and scores the episode
-            slot.builder.rollout.truncated_by_length = True
-            slot.done = True
+            self._end_by_length(slot, "response_tokens")
             return
         if slot.replace_context:  # the observation is the whole next prompt: a new call, a new rollout
             slot.finished.append(slot.builder)
             slot.builder = self._builder(slot, observation, slot.request.step_index + len(slot.finished))
+            room = self._sequence_room(slot.builder)
+            if room is not None and room <= 0:  # the next prompt alone fills the context: no call is made
+                slot.builder = slot.finished.pop()
+                self._end_by_length(slot, "sequence_tokens")
+                return
         else:
-            slot.builder.add_observation(observation)
+            builder, room = slot.builder, self._sequence_room(slot.builder)
+            observation_cap = builder.max_observation_tokens
+            if room is not None:  # keep only the part of the observation that fits the context
+                builder.max_observation_tokens = max(0, min(observation_cap, room))
+            try:
+                builder.add_observation(observation)
+            finally:
+                builder.max_observation_tokens = observation_cap
+        room = self._sequence_room(slot.builder)
+        if room is not None and room <= 0:
+            self._end_by_length(slot, "sequence_tokens")
 
 
 __all__ = ["EpisodeRequest", "LocalBackend", "MultiTurnRollout", "RolloutConfig"]

@@ -12,6 +12,18 @@ and a gloo ``WeightSyncGroup`` broadcast into the same worker (collective path).
 
     python -m experiments.bench_learner --json
     python -m experiments.bench_learner --seq-len 128 --micro-batch 2 --micro-batches 2 --steps 2 --sync --json
+
+GRPO step (``--grpo-step``): the demo's RL step shape (``experiments/configs/demo_grpo.yaml``:
+4 prompts × G = 4 samples, a 290-token prompt shared within each group, continuations of
+40–100 tokens, about 360 tokens a sequence, micro-batch 4, one optimizer step, β = 0.001 so the
+reference pass runs). One step is timed three ways on the same batch, each after one warm-up
+micro-batch: a plain torch loop doing GRPO's three passes (old log-probs, reference, forward +
+backward) and AdamW; the ``Learner`` doing the same passes (``old_logprobs="recompute"``,
+``share_prompts=False``); and the ``Learner`` with its defaults (old log-probs from the update
+forward, shared prompts). ``learner_over_plain`` = plain seconds ÷ same-pass learner seconds and
+``shared_prompt_speedup`` = learner seconds without ÷ with prompt sharing (higher is better)::
+
+    python -m experiments.bench_learner --grpo-step --json
 """
 
 from __future__ import annotations
@@ -153,23 +165,161 @@ def bench_sync(args, learner) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- GRPO step
+
+
+def grpo_step_batch(groups: int, group_size: int, prompt_len: int, min_tail: int, max_tail: int, seed: int):
+    """Demo-shaped batch: ``groups`` random prompts, each followed by ``group_size`` continuations."""
+    from actors.learner import make_train_batch
+
+    g = torch.Generator().manual_seed(seed)
+    ids, masks = [], []
+    for _ in range(groups):
+        prompt = torch.randint(100, 20000, (prompt_len,), generator=g).tolist()
+        for _ in range(group_size):
+            tail = int(torch.randint(min_tail, max_tail + 1, (1,), generator=g))
+            ids.append(prompt + torch.randint(100, 20000, (tail,), generator=g).tolist())
+            masks.append([0] * prompt_len + [1] * tail)
+    advantages = torch.randn(len(ids), generator=g).tolist()
+    return make_train_batch(ids, masks, advantages)
+
+
+def _grpo_learner_config(args, **overrides) -> dict:
+    n = args.groups * args.group_size
+    return {"model": args.model, "zero_stage": args.zero_stage, "micro_batch_size": args.micro_batch,
+            "mini_batch_size": n, "optimizer": {"lr": 1e-6}, "shuffle": False,
+            "loss": {"clip_low": 0.2, "kl_coef": args.kl_coef, "kl_kind": "low_var_kl"}, **overrides}
+
+
+def bench_grpo_learner(learner, batch, **settings) -> dict:
+    """Seconds of one ``Learner.update`` on ``batch`` with the given speed settings."""
+    for key, value in settings.items():
+        setattr(learner.config, key, value)  # read at update time; the engine stays the same
+    ids, attn = batch["token_ids"][:1], batch["attention_mask"][:1]
+    learner.compute_logprobs(ids, attn)  # warm-up: one forward with these settings
+    t, cpu = time.perf_counter(), time.process_time()
+    metrics = learner.update(dict(batch))
+    seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+    keys = ("tokens", "tokens_computed", "padding_share", "prompt_share_saved", "old_logprobs_recomputed")
+    return {"seconds": seconds, "cpu_seconds": cpu, **{k: metrics[k] for k in keys},
+            **{k: v for k, v in metrics.items() if k.startswith("seconds_")}}
+
+
+def bench_grpo_plain(args, batch, model, reference) -> dict:
+    """The same step as a plain torch loop: old-logprob pass, reference pass, forward + backward, AdamW."""
+    from actors.learner import token_logprobs
+    from raggym.algorithms.losses import clipped_policy_loss, kl_loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    micro, n = args.micro_batch, batch["token_ids"].shape[0]
+    mask_all = batch["loss_mask"].clone()
+    mask_all[:, 0] = 0
+    total = float(mask_all.sum())
+
+    @torch.no_grad()
+    def logprobs_of(net, rows) -> torch.Tensor:
+        net.eval()
+        ids, attn = batch["token_ids"][rows], batch["attention_mask"][rows]
+        return token_logprobs(net(input_ids=ids, attention_mask=attn, use_cache=False).logits.float(), ids)
+
+    logprobs_of(model, slice(0, 1))  # warm-up: one forward
+    out = {}
+    t_start = t = time.perf_counter()
+    cpu_start = time.process_time()
+    old = {s: logprobs_of(model, slice(s, s + micro)) for s in range(0, n, micro)}
+    out["seconds_old_logprobs"] = time.perf_counter() - t
+    t = time.perf_counter()
+    ref = {s: logprobs_of(reference, slice(s, s + micro)) for s in range(0, n, micro)} if reference is not None else {}
+    out["seconds_reference"] = time.perf_counter() - t
+    t = time.perf_counter()
+    model.train()
+    for s in range(0, n, micro):
+        ids, attn = batch["token_ids"][s : s + micro], batch["attention_mask"][s : s + micro]
+        mask = mask_all[s : s + micro]
+        lp = token_logprobs(model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float(), ids)
+        loss, _ = clipped_policy_loss(lp, old[s], batch["advantages"][s : s + micro], mask)
+        if reference is not None:
+            loss = loss + args.kl_coef * kl_loss(lp, ref[s], mask)
+        (loss * float(mask.sum()) / total).backward()  # the same global token mean
+    out["seconds_forward_backward"] = time.perf_counter() - t
+    t = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    out["seconds_optimizer"] = time.perf_counter() - t
+    return {"seconds": time.perf_counter() - t_start, "cpu_seconds": time.process_time() - cpu_start, **out}
+
+
+def run_grpo_step(args) -> dict:
+    import copy
+
+    from actors.learner import Learner, LearnerConfig
+
+    batch = grpo_step_batch(args.groups, args.group_size, args.prompt_len, args.min_tail, args.max_tail, seed=0)
+    learner = Learner(LearnerConfig.from_dict(_grpo_learner_config(args)))
+    # The plain loop trains a copy of the same weights next to the learner's frozen reference.
+    plain = bench_grpo_plain(args, batch, copy.deepcopy(learner.module), learner.reference)
+    same_passes = bench_grpo_learner(learner, batch, old_logprobs="recompute", share_prompts=False)
+    unshared = bench_grpo_learner(learner, batch, old_logprobs="rollout", share_prompts=False)
+    default = bench_grpo_learner(learner, batch, old_logprobs="rollout", share_prompts=True)
+    return {
+        "bench": "learner-grpo-step",
+        "model": args.model,
+        "shape": {"sequences": int(batch["token_ids"].shape[0]), "groups": args.groups, "group_size": args.group_size,
+                  "prompt_tokens": args.prompt_len, "tokens": int(batch["attention_mask"].sum()),
+                  "trained_tokens": int(batch["loss_mask"].sum()), "micro_batch": args.micro_batch,
+                  "kl_coef": args.kl_coef, "zero_stage": args.zero_stage},
+        "threads": torch.get_num_threads(),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "processor": platform.processor(),
+                 "cuda": torch.cuda.is_available(), "load_average": os.getloadavg()},
+        "plain_torch": plain,
+        "learner_same_passes": same_passes,
+        "learner_unshared": unshared,
+        "learner_default": default,
+        "learner_over_plain": plain["seconds"] / same_passes["seconds"],
+        "shared_prompt_speedup": unshared["seconds"] / default["seconds"],
+        "default_over_plain": plain["seconds"] / default["seconds"],
+        # the same ratios in process CPU seconds: steadier than wall time on a shared machine
+        "cpu_learner_over_plain": plain["cpu_seconds"] / same_passes["cpu_seconds"],
+        "cpu_shared_prompt_speedup": unshared["cpu_seconds"] / default["cpu_seconds"],
+    }
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=None, help="default 32 (290 with --grpo-step)")
+    p.add_argument("--micro-batch", type=int, default=None, help="default 2 (4 with --grpo-step)")
     p.add_argument("--micro-batches", type=int, default=2, help="gradient-accumulation steps per optimizer step")
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
-    p.add_argument("--zero-stage", type=int, default=2)
+    p.add_argument("--zero-stage", type=int, default=None, help="default 2 (0 with --grpo-step)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--sync", action="store_true", help="also time weight sync (starts Ray)")
     p.add_argument("--sync-repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--grpo-step", action="store_true", help="time one demo-shaped GRPO learner step (see above)")
+    p.add_argument("--groups", type=int, default=4, help="--grpo-step: prompts per step")
+    p.add_argument("--group-size", type=int, default=4, help="--grpo-step: samples per prompt (G)")
+    p.add_argument("--min-tail", type=int, default=40, help="--grpo-step: shortest continuation")
+    p.add_argument("--max-tail", type=int, default=100, help="--grpo-step: longest continuation")
+    p.add_argument("--kl-coef", type=float, default=0.001, help="--grpo-step: β (0 skips the reference pass)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.grpo_step:
+        for name, default in (("prompt_len", 32), ("micro_batch", 2), ("zero_stage", 2)):
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+    if args.grpo_step:
+        # the demo's shape unless given: a 290-token prompt, micro-batch 4, ZeRO 0
+        for name, demo in (("prompt_len", 290), ("micro_batch", 4), ("zero_stage", 0)):
+            if getattr(args, name) is None:
+                setattr(args, name, demo)
+        result = run_grpo_step(args)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return result
 
     batch = synthetic_batch(args.micro_batch * args.micro_batches, args.seq_len, args.prompt_len, seed=0)
     ds, learner, batch = bench_deepspeed(args, batch)

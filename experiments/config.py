@@ -89,6 +89,7 @@ class RolloutSection:
     max_response_tokens: int = 64
     max_turn_tokens: int = 32
     max_observation_tokens: int = 128
+    max_sequence_tokens: Optional[int] = None  # prompt + turns + observations of one context; None: no cap
     waves: int = 2
     worker_cpus: float = 0.5
     worker_gpus: float = 0.0
@@ -101,6 +102,7 @@ class AdvantageConfig:
     normalize_by_std: bool = True
     eps: float = 1.0e-6
     unbiased_std: bool = True
+    singleton_group: str = "zero"  # "zero": a group of one gets advantage 0; "verl": mean 0, std 1
     route_weights: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.3, 1.0])
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3

@@ -198,7 +198,10 @@ def _reward_schema(c: dict) -> Optional[dict]:
     if method == "routerag":
         return {**base, "stage2_start": Leaf("int"), **_dataclass_schema(RouteRAGConfig)}
     if method == "lws":
-        return {**base, "stage2_start": Leaf("int"), "embedder": Leaf("str"), **_dataclass_schema(LWSConfig)}
+        from raggym.judge import JudgeConfig
+
+        return {**base, "stage2_start": Leaf("int"), "embedder": Leaf("str"),
+                "judge": OptionalSection(_dataclass_schema(JudgeConfig)), **_dataclass_schema(LWSConfig)}
     if method == "graphrag_r1":
         hint = "the SFT cold start is the sft: section (sft.enabled, sft.epochs)"
         return {**base, "phase3_start": Leaf("int"), "sft_steps": Forbidden(hint), **_dataclass_schema(GraphRAGR1Config)}
@@ -217,11 +220,15 @@ def _reward_schema(c: dict) -> Optional[dict]:
 def _learner_schema(c: dict) -> dict:
     from actors.learner import LearnerConfig
 
-    return _dataclass_schema(LearnerConfig, {
+    schema = _dataclass_schema(LearnerConfig, {
         "model": "the learner trains policy.model (or the SFT policy)",
         "temperature": "set rollout.temperature (the learner divides logits by it)",
         "seed": "set run.seed",
     })
+    # θ_P is one value: the PathRouter routes (reward/advantage) and the teacher-KL selection.
+    schema["loss"]["evidence_threshold"] = Forbidden("set reward.evidence_threshold (θ_P, used by the routes and "
+                                                     "the teacher KL alike)")
+    return schema
 
 
 def _world_schema(c: dict) -> dict:

@@ -30,6 +30,10 @@ gold aliases), cover-EM, EO (evidence overlap with gold passages, over questions
 UAR (unsupported-answer rate, over questions whose answer has tokens), retrieval turns, retrieval
 seconds and cost, the mode mix (share of searches per mode), generated tokens per question,
 answered share, format errors and truncations. Definitions: ``raggym.rewards.metrics``.
+
+``correct`` is the share of answers judged correct: by the LLM judge when one is given
+(``--judge-model``, ``evaluate(judge=...)``; the same judge LWS training uses, see
+``experiments.judge``), else by the fallback rule EM = 1 or F1 ≥ 0.5. ``settings.judge`` says which.
 """
 
 from __future__ import annotations
@@ -96,15 +100,21 @@ class ContextPrompt:
 # ----------------------------------------------------------------------------- metrics
 
 
-def episode_metrics(trajectory: dict) -> dict:
-    """Metrics of one evaluated episode (a trajectory dict with ``episode`` and ``loss_mask``)."""
+def episode_metrics(trajectory: dict, correct: bool | None = None) -> dict:
+    """Metrics of one evaluated episode (a trajectory dict with ``episode`` and ``loss_mask``).
+
+    ``correct`` is a judge's verdict on the answer; without one the fallback rule decides."""
+    from raggym.judge import lexical_correct
     from raggym.rewards import EpisodeOutcome
     from raggym.rewards.metrics import outcome_metrics
 
     ep = trajectory["episode"]
-    m = outcome_metrics(EpisodeOutcome.from_dict(ep))
+    outcome = EpisodeOutcome.from_dict(ep)
+    m = outcome_metrics(outcome)
+    if correct is None:
+        correct = lexical_correct(outcome.answer, outcome.gold_answers)
     return {
-        "em": m["em"], "f1": m["f1"], "cover_em": m["cover_em"], "eo": m["eo"], "uar": m["uar"],
+        "em": m["em"], "f1": m["f1"], "correct": bool(correct), "cover_em": m["cover_em"], "eo": m["eo"], "uar": m["uar"],
         "retrieval_turns": int(m["retrieval_count"]), "retrieval_seconds": float(m["retrieval_seconds"]),
         "retrieval_cost": float(m["retrieval_cost"]), "modes": [str(x) for x in ep.get("modes") or ()],
         "tokens": int(sum(trajectory.get("loss_mask") or ())), "answered": ep.get("answer") is not None,
@@ -136,6 +146,7 @@ def aggregate(per_episode: Sequence[dict]) -> dict:
     for key in ("em", "f1", "cover_em", "retrieval_turns", "retrieval_seconds", "retrieval_cost", "tokens",
                 "format_errors"):
         out[key] = sum(float(e[key]) for e in per_episode) / n
+    out["correct"] = _mean(float(e["correct"]) for e in per_episode if "correct" in e)
     out["eo"] = _mean(e["eo"] for e in per_episode)
     out["eo_questions"] = sum(e["eo"] is not None for e in per_episode)
     out["uar"] = _mean(e["uar"] for e in per_episode)
@@ -147,7 +158,7 @@ def aggregate(per_episode: Sequence[dict]) -> dict:
     return out
 
 
-_AVERAGED = ("em", "f1", "cover_em", "eo", "uar", "retrieval_turns", "retrieval_seconds", "retrieval_cost", "tokens",
+_AVERAGED = ("em", "f1", "correct", "cover_em", "eo", "uar", "retrieval_turns", "retrieval_seconds", "retrieval_cost", "tokens",
              "answered", "format_errors", "truncated")
 
 
@@ -408,9 +419,10 @@ def episode_records(rollouts) -> list[dict]:
 
 
 def evaluate_episodes(runtime, questions, sampling, *, env_kwargs: dict | None = None, tag: str = "eval",
-                      prompt_retrievals: dict | None = None) -> tuple[list[dict], dict]:
+                      prompt_retrievals: dict | None = None, judge=None) -> tuple[list[dict], dict]:
     """The one evaluator (harness, in-training evaluation, the SFT check): one episode per
     question on ``runtime`` (``experiments.runtime``), then ``episode_metrics`` and ``aggregate``.
+    ``judge(question, answer, golds) -> bool`` decides ``correct`` (default: EM or F1 ≥ 0.5).
 
     ``prompt_retrievals`` (question id -> ``QueryResult``) are retrievals made for the prompt
     (retrieve-then-read); they are recorded in the episode as a search turn would be.
@@ -427,9 +439,21 @@ def evaluate_episodes(runtime, questions, sampling, *, env_kwargs: dict | None =
                                 retrieved_texts=[[h.text for h in r.hits]], num_retrievals=1,
                                 retrieval_seconds=float(r.seconds), retrieval_cost=float(r.cost),
                                 prompt_retrieval=True)
-    for t in episodes:
-        t["metrics"] = episode_metrics(t)
+    verdicts = judged_correct(episodes, judge)
+    for t, verdict in zip(episodes, verdicts):
+        t["metrics"] = episode_metrics(t, verdict)
     return episodes, aggregate([t["metrics"] for t in episodes])
+
+
+def judged_correct(episodes: Sequence[dict], judge) -> list[bool | None]:
+    """The judge's verdict per episode record (all in one batch), or None each without a judge."""
+    if judge is None:
+        return [None] * len(episodes)
+    from raggym.judge import judge_many
+    from raggym.rewards import EpisodeOutcome
+
+    outcomes = [EpisodeOutcome.from_dict(t["episode"]) for t in episodes]
+    return judge_many(judge, [(o.question, o.answer, o.gold_answers) for o in outcomes])
 
 
 def _eval_config(policy_path: str, dialect: str, *, workers: int, temperature: float, seed: int,
@@ -452,8 +476,12 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
              max_questions: int | None = None, max_response_tokens: int = DEFAULT_RESPONSE_TOKENS,
              max_turn_tokens: int = DEFAULT_TURN_TOKENS, top_k: int = 3, retrieval_budget: int = DEFAULT_BUDGET,
              workers: int = 2, temperature: float = 0.0, seed: int = 0, show_progress: bool = True,
-             index_cache: str | Path | None = None, max_observation_tokens: int = 256) -> dict:
+             index_cache: str | Path | None = None, max_observation_tokens: int = 256,
+             judge: dict | None = None) -> dict:
     """Evaluate ``policy`` on ``datasets`` with ``systems``; write results under ``out_dir``.
+
+    ``judge`` is a judge section (``raggym.judge.JudgeConfig`` keys; ``model: policy`` is the
+    evaluated policy): the LLM judge decides ``correct``; None falls back to EM or F1 ≥ 0.5.
 
     Returns ``{"datasets": {dataset: {system: metrics}}, "average": {system: metrics},
     "skipped": [...], "notes": [...], "settings": {...}, "seconds": float}``. Uses the running Ray
@@ -493,6 +521,9 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     _env_id(dialect)
     policy_path = resolve_policy(policy)
+    from experiments.judge import make_judge
+
+    answer_judge = make_judge(judge, policy_path)
     out = Path(out_dir)
     cache = Path(index_cache) if index_cache else cache_dir() / "indexes"
     cfg = _eval_config(policy_path, dialect, workers=workers, temperature=temperature, seed=seed,
@@ -538,7 +569,7 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
                             chunk = questions[i: i + CHUNK_QUESTIONS]
                             episodes += evaluate_episodes(rt, chunk, sampling_params(cfg, i // CHUNK_QUESTIONS),
                                                           env_kwargs=env_kwargs, tag=str(i // CHUNK_QUESTIONS),
-                                                          prompt_retrievals=pre)[0]
+                                                          prompt_retrievals=pre, judge=answer_judge)[0]
                             bar.update(len(chunk))
                     by_dataset[d["name"]][system] = aggregate([t["metrics"] for t in episodes])
                     timing[system] = round(time.perf_counter() - t0, 2)
@@ -554,6 +585,7 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
                 "datasets": datasets, "max_questions": max_questions, "max_response_tokens": max_response_tokens,
                 "max_turn_tokens": max_turn_tokens, "max_observation_tokens": max_observation_tokens, "top_k": top_k,
                 "retrieval_budget": retrieval_budget, "workers": workers, "temperature": temperature, "seed": seed,
+                "judge": dict(judge) if judge else "em_or_f1 (EM = 1 or F1 >= 0.5)",
                 "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}}
     results = {"datasets": by_dataset, "average": average_over_datasets(by_dataset), "skipped": skipped,
                "notes": notes, "settings": settings, "timings": timings,
@@ -640,6 +672,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=["heldout", "train", "all"], default="heldout",
                    help="which questions of the synthetic world (default heldout)")
     p.add_argument("--heldout-fraction", type=_fraction, default=0.2)
+    p.add_argument("--judge-model", default=None,
+                   help="decide 'correct' with an LLM judge on this model spec ('policy' = the evaluated policy); "
+                        "default: EM = 1 or F1 >= 0.5")
+    p.add_argument("--judge-engine", default="hf", help="engine of the judge: hf, vllm, a registered name or module:callable")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
@@ -669,7 +705,8 @@ def run(args) -> int:
                        max_questions=args.max_questions, max_response_tokens=args.max_response_tokens,
                        max_turn_tokens=args.max_turn_tokens, top_k=args.top_k, retrieval_budget=args.retrieval_budget,
                        workers=args.workers, temperature=args.temperature, seed=args.seed,
-                       show_progress=not (args.no_progress or args.json), index_cache=args.index_cache)
+                       show_progress=not (args.no_progress or args.json), index_cache=args.index_cache,
+                       judge={"engine": args.judge_engine, "model": args.judge_model} if args.judge_model else None)
     if args.json:
         print(json.dumps(results, default=str))
     else:

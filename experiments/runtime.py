@@ -56,8 +56,10 @@ def takes_knowledge_bases(env_id: str) -> bool:
 
 def _rollout_config(cfg) -> RolloutConfig:
     ro = cfg.rollout
+    sequence = getattr(ro, "max_sequence_tokens", None)
     return RolloutConfig(max_response_tokens=int(ro.max_response_tokens), max_turn_tokens=int(ro.max_turn_tokens),
-                         max_observation_tokens=int(ro.max_observation_tokens), waves=int(ro.waves))
+                         max_observation_tokens=int(ro.max_observation_tokens), waves=int(ro.waves),
+                         max_sequence_tokens=None if sequence is None else int(sequence))
 
 
 def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
@@ -72,8 +74,12 @@ def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
 def learner_config(cfg) -> dict:
     from experiments.config import to_plain
 
-    return {"model": cfg.policy.model, "temperature": float(cfg.rollout.temperature), "seed": int(cfg.run.seed),
-            **(to_plain(cfg.learner) or {})}
+    learner = {"model": cfg.policy.model, "temperature": float(cfg.rollout.temperature), "seed": int(cfg.run.seed),
+               **(to_plain(cfg.learner) or {})}
+    reward = to_plain(cfg.get("reward")) or {}
+    if "evidence_threshold" in reward:  # θ_P: one key (reward.evidence_threshold) for routes and teacher KL
+        learner["loss"] = {**(learner.get("loss") or {}), "evidence_threshold": float(reward["evidence_threshold"])}
+    return learner
 
 
 def engine_kwargs(cfg, *, in_process: bool) -> dict:

@@ -14,7 +14,12 @@ weights and the index must be a raggym index directory. The Ray that ``raggym se
 sized from what the deployments ask for (a 2-core machine runs the 2.5-CPU app); on a cluster
 that is too small, ``start`` fails at once with the deployment, its need and what the cluster
 has, instead of waiting forever for a replica to be scheduled. SIGTERM stops the server the way
-Ctrl-C does. See ``docs/serving.md``.
+Ctrl-C does.
+
+API keys come from ``RAGGYM_SERVE_API_KEY`` and/or a key file (``--api-key-file``,
+``api_key_file=``), never from an argument; only their SHA-256 digests are passed to the ingress.
+Each deployment's replicas (fixed, or autoscaling) come from ``<name>_replicas`` /
+``<name>_max_replicas`` / ``<name>_target_ongoing_requests``. See ``docs/serving.md``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,22 @@ APP_KEYS = {
     "retrieval_cpus": 1.0,
     "ingress_cpus": 0.5,
     "gpu_memory_utilization": 0.5,
+    # A file of accepted API keys, one per line (the key itself comes from RAGGYM_SERVE_API_KEY or
+    # this file, never from an argument: `ps` shows a process's arguments to every user).
+    "api_key_file": None,
 }
+# Replicas per deployment: "<name>_replicas" fixed (or the autoscaling minimum), "<name>_max_replicas"
+# above it turns autoscaling on, "<name>_target_ongoing_requests" is what autoscaling aims for per
+# replica (0: the deployment's batch size, or half the ingress' episode cap).
+DEPLOYMENTS = ("policy", "retrieval", "ingress")
+for _name in DEPLOYMENTS:
+    APP_KEYS.update({f"{_name}_replicas": 1, f"{_name}_max_replicas": 0, f"{_name}_target_ongoing_requests": 0.0})
+
+API_KEY_ENV = "RAGGYM_SERVE_API_KEY"
+MIN_API_KEY_CHARS = 16
+# Requests the ingress lets in beyond its episode cap, so that refusals (503), /healthz and
+# /v1/models are answered at once instead of waiting in Serve's queue behind the episodes.
+INGRESS_HEADROOM = 100
 
 
 # On shutdown each replica finishes its in-flight requests, looking every 0.25 s (Serve's default
@@ -148,6 +168,9 @@ def load_config(args: dict | None = None, env: dict | None = None) -> dict:
 
     args = dict(args or {})
     env = os.environ if env is None else env
+    if "api_key" in args:
+        raise ValueError(f"an API key is never taken as an argument (the process list shows arguments to every user); "
+                         f"set {API_KEY_ENV} or give api_key_file=PATH")
     setting_names = [f.name for f in fields(ServeSettings)]
     known = list(APP_KEYS) + setting_names
     unknown = sorted(set(args) - set(known))
@@ -160,25 +183,70 @@ def load_config(args: dict | None = None, env: dict | None = None) -> dict:
         elif f"RAGGYM_SERVE_{key.upper()}" in env:
             merged[key] = env[f"RAGGYM_SERVE_{key.upper()}"]
     app = {k: merged.get(k, default) for k, default in APP_KEYS.items()}
-    for k in ("engine_threads", "retrieval_threads"):
+    for k in ("engine_threads", "retrieval_threads", *(f"{d}_{n}" for d in DEPLOYMENTS for n in ("replicas", "max_replicas"))):
         app[k] = int(app[k])
-    for k in ("policy_cpus", "policy_gpus", "retrieval_cpus", "ingress_cpus", "gpu_memory_utilization"):
+    for k in ("policy_cpus", "policy_gpus", "retrieval_cpus", "ingress_cpus", "gpu_memory_utilization",
+              *(f"{d}_target_ongoing_requests" for d in DEPLOYMENTS)):
         app[k] = float(app[k])
+    for d in DEPLOYMENTS:
+        if app[f"{d}_replicas"] < 1:
+            raise ValueError(f"{d}_replicas must be >= 1, got {app[f'{d}_replicas']}")
+        if app[f"{d}_max_replicas"] and app[f"{d}_max_replicas"] < app[f"{d}_replicas"]:
+            raise ValueError(f"{d}_max_replicas ({app[f'{d}_max_replicas']}) must be 0 (no autoscaling) or at least "
+                             f"{d}_replicas ({app[f'{d}_replicas']})")
     if app["engine"] not in ("hf", "vllm"):
         raise ValueError(f"engine must be 'hf' or 'vllm', got {app['engine']!r}")
     settings = {k: merged[k] for k in setting_names if k in merged}
     return {"app": app, "settings": settings}
 
 
-def build_app(args: dict | None = None):
-    """The Ray Serve application (validates the checkpoint and index first)."""
-    from actors.serving import _CONCURRENT_BATCHES, AgentCore, ServeSettings, make_deployments
+def read_api_keys(key_file: str | None, env: dict | None = None) -> list[str]:
+    """The accepted API keys: ``RAGGYM_SERVE_API_KEY`` and/or a file of one key per line.
 
-    config = load_config(args)
+    Blank lines and lines starting with ``#`` in the file are skipped. A key must be at least
+    16 characters without spaces; errors name the file and line, never the key.
+    """
+    env = os.environ if env is None else env
+    keys: list[tuple[str, str]] = []
+    if env.get(API_KEY_ENV):
+        keys.append((env[API_KEY_ENV].strip(), API_KEY_ENV))
+    if key_file:
+        path = Path(key_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: API key file not found")
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                keys.append((line.strip(), f"{path}, line {number}"))
+        if not any(where != API_KEY_ENV for _, where in keys):
+            raise ValueError(f"{path}: the API key file holds no key (one per line)")
+    for key, where in keys:
+        if len(key) < MIN_API_KEY_CHARS or any(c.isspace() for c in key):
+            raise ValueError(f"the API key in {where} must be at least {MIN_API_KEY_CHARS} characters without spaces "
+                             f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return list(dict.fromkeys(key for key, _ in keys))
+
+
+def scaling_options(app: dict, name: str, default_target: float) -> dict:
+    """Serve options for the replicas of deployment ``name`` (fixed count or autoscaling)."""
+    replicas, most = app[f"{name}_replicas"], app[f"{name}_max_replicas"]
+    if most > replicas:
+        target = app[f"{name}_target_ongoing_requests"] or default_target
+        return {"autoscaling_config": {"min_replicas": replicas, "initial_replicas": replicas, "max_replicas": most,
+                                       "target_ongoing_requests": float(target)}}
+    return {"num_replicas": replicas}
+
+
+def build_app(args: dict | None = None, env: dict | None = None):
+    """The Ray Serve application (validates the checkpoint, index and API keys first)."""
+    from actors.serving import _CONCURRENT_BATCHES, AgentCore, ServeSettings, make_deployments
+    from actors.serving_http import key_digest
+
+    config = load_config(args, env)
     app = config["app"]
     policy = resolve_checkpoint(str(app["checkpoint"]))
     manifest = check_index(app["index"])
     modes = supported_modes(manifest)
+    digests = [key_digest(k) for k in read_api_keys(app["api_key_file"], env)]
     settings_dict = dict(config["settings"])
     settings_dict.setdefault("model_name", model_name_for(str(app["checkpoint"]), policy))
     settings = ServeSettings.from_dict(settings_dict)
@@ -187,20 +255,24 @@ def build_app(args: dict | None = None):
     threads = app["engine_threads"] or os.cpu_count() or 1
     gpus = app["policy_gpus"] if app["policy_gpus"] >= 0 else (1.0 if app["engine"] == "vllm" else 0.0)
     engine_kwargs = {"gpu_memory_utilization": app["gpu_memory_utilization"]} if app["engine"] == "vllm" else {}
+    cap = settings.max_episodes_in_flight
     policy_app = Policy.options(
         ray_actor_options={"num_cpus": app["policy_cpus"], "num_gpus": gpus}, **DRAIN_OPTIONS,
-        max_ongoing_requests=max(settings.max_concurrent_requests, _CONCURRENT_BATCHES * settings.max_batch_size),
+        max_ongoing_requests=max(cap, _CONCURRENT_BATCHES * settings.max_batch_size),
+        **scaling_options(app, "policy", settings.max_batch_size),
     ).bind(policy, app["engine"], engine_kwargs, settings.max_batch_size, settings.batch_wait_timeout_s,
            threads if app["engine"] == "hf" else None)
     retrieval_app = Retrieval.options(
         ray_actor_options={"num_cpus": app["retrieval_cpus"]}, **DRAIN_OPTIONS,
-        max_ongoing_requests=max(settings.max_concurrent_requests, _CONCURRENT_BATCHES * settings.retrieval_max_batch_size),
+        max_ongoing_requests=max(cap, _CONCURRENT_BATCHES * settings.retrieval_max_batch_size),
+        **scaling_options(app, "retrieval", settings.retrieval_max_batch_size),
     ).bind(str(Path(app["index"]).expanduser().resolve()), settings.retrieval_max_batch_size,
            settings.retrieval_batch_wait_timeout_s, app["retrieval_threads"])
     return Agent.options(
         ray_actor_options={"num_cpus": app["ingress_cpus"]}, **DRAIN_OPTIONS,
-        max_ongoing_requests=settings.max_concurrent_requests,
-    ).bind(policy_app, retrieval_app, settings.as_dict(), modes, policy)
+        max_ongoing_requests=cap + INGRESS_HEADROOM,
+        **scaling_options(app, "ingress", max(1, cap // 2)),
+    ).bind(policy_app, retrieval_app, settings.as_dict(), modes, policy, digests)
 
 
 def app(args: dict):
@@ -374,9 +446,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--engine-threads", type=int, default=0, help="torch threads of the policy replica (0 = all cores)")
     p.add_argument("--status-endpoint", action="store_true",
-                   help="enable GET /v1/status (engine, index path, batching figures); off by default because "
-                        "the API has no authentication yet")
+                   help="enable GET /v1/status (engine, index path, batching figures, request counters); off by "
+                        "default because it names files on the server's disk")
+    auth = p.add_argument_group("API keys", f"Off unless a key is given. Clients send 'Authorization: Bearer KEY'; "
+                                            f"/healthz stays open. The key comes from ${API_KEY_ENV} or a key file, "
+                                            "never from the command line.")
+    auth.add_argument("--api-key-file", default=None,
+                      help="file of accepted API keys, one per line (blank lines and # comments skipped)")
+    auth.add_argument("--api-key", action=_RefuseKeyArgument, help=argparse.SUPPRESS)
+    limits = p.add_argument_group("limits", "Backpressure per ingress replica.")
+    limits.add_argument("--max-episodes-in-flight", type=int, default=128,
+                        help="episodes run at once per ingress replica; one more gets 503 with Retry-After (default 128)")
+    limits.add_argument("--request-deadline-s", type=float, default=300.0,
+                        help="an episode still running after this many seconds gets 504 and is stopped (default 300)")
+    limits.add_argument("--retry-after-s", type=int, default=1, help="the Retry-After header of a 503 (default 1)")
+    scaling = p.add_argument_group(
+        "replicas", "Per deployment (policy, retrieval, ingress): a fixed count, or autoscaling between "
+                    "--NAME-replicas and --NAME-max-replicas. target_ongoing_requests is set through the app config.")
+    for name in DEPLOYMENTS:
+        scaling.add_argument(f"--{name}-replicas", type=int, default=1, help=f"{name} replicas (default 1)")
+        scaling.add_argument(f"--{name}-max-replicas", type=int, default=0,
+                             help=f"autoscale the {name} deployment up to this many replicas (default 0: fixed)")
     p.add_argument("--json", action="store_true", help="print the endpoint info as one JSON object once serving")
+
+
+class _RefuseKeyArgument(argparse.Action):
+    """``--api-key VALUE`` fails: by then the key is already in the process list, so say where it belongs."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"{parser.prog}: error: --api-key is not accepted (a command line is visible to every user "
+                       f"through ps); put the key in ${API_KEY_ENV} or in a file given with --api-key-file\n")
 
 
 def args_to_app(args) -> dict:
@@ -386,8 +485,13 @@ def args_to_app(args) -> dict:
         "default_max_turns": args.max_turns, "max_turns_limit": args.max_turns_limit,
         "max_turn_tokens": args.max_turn_tokens, "max_question_chars": args.max_question_chars,
         "top_k": args.top_k, "temperature": args.temperature, "engine_threads": args.engine_threads,
-        "status_endpoint": args.status_endpoint,
+        "status_endpoint": args.status_endpoint, "api_key_file": args.api_key_file,
+        "max_episodes_in_flight": args.max_episodes_in_flight, "request_deadline_s": args.request_deadline_s,
+        "retry_after_s": args.retry_after_s,
     }
+    for name in DEPLOYMENTS:
+        out[f"{name}_replicas"] = getattr(args, f"{name}_replicas")
+        out[f"{name}_max_replicas"] = getattr(args, f"{name}_max_replicas")
     if args.model_name:
         out["model_name"] = args.model_name
     return out
@@ -498,13 +602,19 @@ def run_serve(args) -> int:
                      "models": f"{url}/v1/models", "health": f"{url}/healthz"}
         if args.status_endpoint:
             endpoints["status"] = f"{url}/v1/status"
+        keys = len(read_api_keys(args.api_key_file))
         info = {"url": url, "endpoints": endpoints, "openai_base_url": f"{url}/v1", "checkpoint": args.checkpoint,
-                "index": args.index, "engine": args.engine, "dialect": args.dialect}
+                "index": args.index, "engine": args.engine, "dialect": args.dialect, "api_keys": keys,
+                "max_episodes_in_flight": args.max_episodes_in_flight}
+        if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"raggym serve: warning: listening on {args.host} without API keys: anyone who reaches the port can "
+                  f"use the agent (set {API_KEY_ENV} or --api-key-file)", file=sys.stderr, flush=True)
         if args.json:
             print(json.dumps(info), flush=True)
         else:
             print(f"raggym serve: serving {args.checkpoint} over {args.index} at {url} "
-                  f"(POST {url}/v1/answer, OpenAI base URL {url}/v1); Ctrl-C or SIGTERM stops", flush=True)
+                  f"(POST {url}/v1/answer, OpenAI base URL {url}/v1, API keys: {'on' if keys else 'off'}); "
+                  "Ctrl-C or SIGTERM stops", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt as stop:

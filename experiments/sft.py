@@ -82,6 +82,8 @@ def _step_reasoning(question, steps: Sequence[dict], i: int) -> str:
     if i == 0:
         return f"To answer this I first need {query}."
     previous = steps[i - 1].get("answer")
+    if previous is None:  # steps derived from gold passages name no intermediate answer
+        return f"That helps. Next I need {query}."
     if question.kind == "comparison":
         return f"That gives {previous} for the first one. Now I need {query}."
     return f"The search says it is {previous}. Next I need {query}."
@@ -92,8 +94,10 @@ def _answer_reasoning(question, steps: Sequence[dict]) -> str:
     if question.kind == "comparison" and len(steps) >= 2:
         values = " and ".join(str(s.get("answer")) for s in steps)
         return f"The years are {values}, so the answer is {answer}."
-    if steps:
+    if steps and steps[-1].get("answer") is not None:
         return f"The search says it is {steps[-1].get('answer')}, which answers the question."
+    if steps:
+        return f"The documents give the answer: {answer}."
     return f"I know this: {answer}."
 
 
@@ -189,18 +193,23 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
 
     ``max_observation_tokens`` caps each observation as the rollout does
     (``RolloutConfig.max_observation_tokens``); use the same value in both. R1-Router's
-    observations are whole prompts (documents included), so it needs a larger cap (about 512)."""
+    observations are whole prompts (documents included), so it needs a larger cap (about 512).
+
+    A question without its own golden trajectory gets one derived from its evidence
+    (``raggym.data.golden``: 2Wiki evidences, or its gold passages' titles, looked up in ``corpus``
+    or else the retriever's corpus); one whose data determine none raises ``GoldenTrajectoryError``."""
     from tqdm.auto import tqdm
 
+    from raggym.data.golden import with_golden_trajectories
     from raggym.trajectory import RolloutBuilder
 
     _check_dialect(dialect)
     questions = list(questions)
     if not questions:
         raise ValueError("golden_examples: no questions given")
+    titles_from = corpus if corpus is not None else getattr(retriever, "corpus", None)
+    questions = with_golden_trajectories(questions, titles_from, need_answers=dialect == "r1_router")
     for q in questions:
-        if not q.golden_trajectory:
-            raise ValueError(f"question {q.id!r} has no golden_trajectory (only synthetic-world questions carry one)")
         for i, step in enumerate(q.golden_trajectory):
             if not isinstance(step, dict) or not isinstance(step.get("query"), str) or not step["query"].strip():
                 raise ValueError(f"question {q.id!r}: golden_trajectory[{i}] needs a non-empty 'query' string")

@@ -68,10 +68,10 @@ def train(cfg) -> dict:
     if cfg.runtime == "ray":
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
     data = load_run_data(cfg, out_dir, multi_kb=takes_knowledge_bases(cfg.env.id))
+    schedule = reward_schedule(cfg)  # before the cold start: a judge's "policy" is the base model
     sft = sft_cold_start(cfg, out_dir, data)
     if sft is not None:
         cfg.policy.model = str(sft["policy_dir"])  # RL starts from the SFT policy
-    schedule = reward_schedule(cfg)
     golden_steps = golden_steps_for(cfg, data.questions)  # Step-GRPO: teacher-forced step groups
     mini_batch = LearnerConfig.from_dict(learner_config(cfg)).mini_batch_size
     sampler = PromptSampler(len(data.questions), int(cfg.run.seed))
@@ -88,6 +88,7 @@ def train(cfg) -> dict:
             rt.learners.load_checkpoint(str(ckpt))
             sampler.load_state_dict(state["sampler"])
             start_step = int(state["step"])
+            logger.rewind(start_step)  # steps logged after this checkpoint are about to be redone
             rt.sync_weights()
             print(f"[train] resumed from {ckpt} at step {start_step}", flush=True)
 
@@ -148,7 +149,8 @@ def train(cfg) -> dict:
             if eval_every > 0 and (step + 1) % eval_every == 0:
                 _, held = evaluate_episodes(rt, data.heldout, sampling_params(cfg, round_seed_index(step + 1, 999),
                                                                               float(cfg.eval.temperature)),
-                                            env_kwargs=eval_kwargs, tag=f"eval{step + 1}")
+                                            env_kwargs=eval_kwargs, tag=f"eval{step + 1}",
+                                            judge=getattr(schedule, "judge", None))
                 record.update({"eval/em": held["em"], "eval/f1": held["f1"],
                                "eval/retrievals_mean": held["retrieval_turns"], "eval/questions": held["n"]})
                 with (out_dir / "eval.jsonl").open("a", encoding="utf-8") as fh:

@@ -134,13 +134,19 @@ def make_embed(spec: str):
 
 
 def reward_schedule(cfg):
-    """The ``reward:`` section as a schedule; the embedder spec becomes an embedding function."""
+    """The ``reward:`` section as a schedule; the embedder spec becomes an embedding function and
+    LWS's ``judge`` section an LLM judge (``experiments.judge``), kept as ``schedule.judge`` so
+    that in-training evaluation decides correctness the same way (None: EM / F1 ≥ 0.5)."""
+    from experiments.judge import make_judge
     from raggym.rewards.schedules import reward_schedule_from_config
 
     options = dict(to_plain(cfg.reward))
     embedder = options.pop("embedder", "minilm")
     embed = make_embed(embedder) if options["method"] in ("lws", "r1_router") else None
-    return reward_schedule_from_config(options, embed=embed)
+    judge = make_judge(options.pop("judge", None), str(cfg.policy.model))
+    schedule = reward_schedule_from_config(options, embed=embed, judge=judge)
+    schedule.judge = judge
+    return schedule
 
 
 def step_metrics(rollouts: Sequence, rewards: Sequence[float], advantages: Sequence[float]) -> dict:
@@ -182,6 +188,22 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+HOLD_CHECKPOINT_ENV = "RAGGYM_TEST_HOLD_CHECKPOINT"
+
+
+def _hold_before_commit(tmp: Path, step: int) -> None:
+    """Test hook: with ``RAGGYM_TEST_HOLD_CHECKPOINT=<step>`` the save of that step stops after
+    every file is written and before the commit, says so on stdout and waits (an hour), so that a
+    test can kill the trainer in the middle of a save at a known point (tests/test_train_e2e.py)."""
+    import os
+    import time
+
+    held = os.environ.get(HOLD_CHECKPOINT_ENV)
+    if held is not None and int(held) == step:
+        print(f"[train] holding checkpoint {tmp} before its commit ({HOLD_CHECKPOINT_ENV}={held})", flush=True)
+        time.sleep(3600)
+
+
 def save_checkpoint(learners, out_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
     """Write into a temp dir, then rename: a crash never leaves a checkpoint that looks complete.
 
@@ -193,8 +215,9 @@ def save_checkpoint(learners, out_dir: Path, step: int, trainer_state: dict, kee
     shutil.rmtree(tmp, ignore_errors=True)
     learners.save_checkpoint(str(tmp))
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}), encoding="utf-8")
+    _hold_before_commit(tmp, step)
     shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    tmp.rename(final)  # the commit: only now does latest_checkpoint see this step
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

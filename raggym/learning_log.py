@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from raggym.atomic import atomic_write_text
+
+# The per-step JSONL files a run appends to; a resumed run rewinds them to its checkpoint.
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
+
 
 class MetricsLogger:
     """``metrics.jsonl`` (every step), ``samples.jsonl`` (a few decoded episodes per step) and
@@ -22,6 +27,25 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(self.out / "tb"))
         except ImportError:  # pragma: no cover - tensorboardX is a core dependency
             self.tb = None
+
+    def rewind(self, step: int) -> int:
+        """Drop the lines logged after ``step`` (a run killed after logging a step but before its
+        checkpoint logs that step again when it resumes); returns how many lines were dropped."""
+        self.metrics.close()
+        self.samples.close()
+        dropped = 0
+        for name in STEP_LOGS:
+            path = self.out / name
+            if not path.exists():
+                continue
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            kept = [line for line in lines if not line.strip() or int(json.loads(line).get("step", 0)) <= step]
+            if len(kept) != len(lines):
+                dropped += len(lines) - len(kept)
+                atomic_write_text(path, "".join(kept))
+        self.metrics = (self.out / "metrics.jsonl").open("a", encoding="utf-8")
+        self.samples = (self.out / "samples.jsonl").open("a", encoding="utf-8")
+        return dropped
 
     def log(self, record: dict, trajectories=(), rewards=(), advantages=()) -> None:
         self.metrics.write(json.dumps(record) + "\n")

@@ -1,4 +1,9 @@
-"""Shared test settings: offline hub, the real shared data, one synthetic world per session."""
+"""Shared test settings: offline hub, the real shared data, one synthetic world per session.
+
+Strict mode (``RAGGYM_STRICT_TESTS=1``, set by ``.ci/run``): a missing ``../shared/data`` folder
+fails the tests that read it instead of skipping them, and a session that skipped any test other
+than a GPU one fails. A GPU skip is one whose reason starts with ``GPU_SKIP_PREFIX``.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,56 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+STRICT = os.environ.get("RAGGYM_STRICT_TESTS", "").strip() == "1"
+GPU_SKIP_PREFIX = "GPU:"  # the only skips strict mode accepts: "GPU: needs a CUDA device", ...
 
 
 def shared_data_dir(name: str) -> Path:
-    """Path of ``../shared/data/<name>``, skipping the test with a reason when it is absent."""
+    """Path of ``../shared/data/<name>``; when absent the test skips, or fails in strict mode."""
     path = SHARED_DATA / name
     if not path.is_dir():
-        pytest.skip(f"real data folder {path} is absent (it lives beside the repo in this workplace and in CI)")
+        message = f"real data folder {path} is absent (it lives beside the repo in this workplace and in CI)"
+        if STRICT:
+            pytest.fail(f"{message}; RAGGYM_STRICT_TESTS=1 requires it", pytrace=False)
+        pytest.skip(message)
     return path
+
+
+# ----------------------------------------------------------------------------- strict mode: no silent skips
+
+_disallowed_skips: list[str] = []
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_runtest_logreport(report):
+    """Record every skip that is not a GPU skip (under xdist, the controller sees every report)."""
+    if STRICT and report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        if not reason.startswith(GPU_SKIP_PREFIX):
+            _disallowed_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_collectreport(report):
+    """A whole module skipped at import (``importorskip``, ``allow_module_level``) counts too."""
+    pytest_runtest_logreport(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _disallowed_skips:
+        terminalreporter.section("skips that RAGGYM_STRICT_TESTS=1 does not allow", red=True)
+        for line in _disallowed_skips:
+            terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    if STRICT and _disallowed_skips and not hasattr(session.config, "workerinput"):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +94,26 @@ def small_world_retriever(small_world):
     from raggym.retrieval import Retriever
 
     return Retriever.build(small_world.corpus, openie=small_world.openie, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_random_policy(tmp_path_factory) -> str:
+    """A randomly initialised 2-layer Llama (width 64) with SmolLM2's tokenizer and vocabulary, as a
+    local model directory: the real architecture at a size where a training step takes seconds."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from raggym.models import converted_checkpoint, resolve_model_spec
+
+    tok = AutoTokenizer.from_pretrained(str(converted_checkpoint(resolve_model_spec("smollm2-135m"))))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="session")

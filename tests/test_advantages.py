@@ -53,6 +53,32 @@ def test_grpo_uniform_and_singleton_groups_are_zero():
     assert torch.equal(adv, torch.zeros(4, dtype=torch.float64))
 
 
+def test_grpo_singleton_group_verl_rule_hand_computed():
+    rewards = torch.tensor([0.1, 0.1, 0.1, 7.0, 1.0, 0.0], dtype=torch.float64)
+    groups = ["x", "x", "x", "solo", "p", "p"]
+    # verl: the singleton has mean 0 and std 1 → 7 / (1 + ε); the uniform group stays 0; the
+    # pair: ±0.5 / (std √0.5 + ε)
+    eps = 1e-6
+    adv = grpo_advantages(rewards, groups, eps=eps, singleton_group="verl")
+    half = 0.5 / (math.sqrt(0.5) + eps)
+    torch.testing.assert_close(adv, torch.tensor([0.0, 0.0, 0.0, 7.0 / (1 + eps), half, -half], dtype=torch.float64))
+    # Dr.GRPO (no std division): the singleton keeps its raw reward
+    adv = grpo_advantages(rewards, groups, normalize_by_std=False, singleton_group="verl")
+    torch.testing.assert_close(adv, torch.tensor([0.0, 0.0, 0.0, 7.0, 0.5, -0.5], dtype=torch.float64))
+    # raggym's default gives the singleton 0
+    assert grpo_advantages(rewards, groups, singleton_group="zero")[3].item() == 0.0
+    with pytest.raises(ValueError, match="singleton_group"):
+        grpo_advantages(rewards, groups, singleton_group="mean")
+
+
+def test_grpo_estimator_passes_the_singleton_rule():
+    from raggym.algorithms.advantages import get_advantage_estimator
+
+    out = get_advantage_estimator("grpo")(torch.tensor([3.0, 1.0, 2.0]), ["a", "b", "b"], singleton_group="verl", eps=0.0)
+    # a: 3 / 1; b: mean 1.5, so 1 → −0.5 / √0.5 and 2 → +0.5 / √0.5
+    torch.testing.assert_close(out.advantages, torch.tensor([3.0, -math.sqrt(0.5), math.sqrt(0.5)]))
+
+
 def test_grpo_accepts_tensor_group_ids_and_keeps_dtype():
     rewards = torch.tensor([1.0, 0.0, 5.0, 3.0], dtype=torch.float64)
     adv = grpo_advantages(rewards, torch.tensor([7, 7, 2, 2]), eps=0.0)

@@ -6,16 +6,14 @@ import math
 import os
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from actors.cluster import init_ray  # noqa: E402
+from actors.cluster import init_ray
 
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    if ray.is_initialized():
-        pytest.skip("another test left Ray running in this process")
+    ray.shutdown()  # a session an earlier module left in this worker process: this test needs Ray not running
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     yield
     ray.shutdown()

@@ -359,6 +359,8 @@ def test_inspect_fails_with_the_loaders_error(tmp_path, capsys):
 
 # ------------------------------------------------------------------ the real public files
 
+# These tests read public files raggym may not redistribute; they carry the `public_data` marker, which
+# `make test` deselects, and run with `pytest -m public_data` where RAGGYM_INTEROP_DATA points at them.
 INTEROP_DATA = Path(os.environ.get("RAGGYM_INTEROP_DATA", REPO.parent / "shared" / "data" / "interop"))
 
 
@@ -369,6 +371,7 @@ def real_file(relative: str) -> Path:
     return path
 
 
+@pytest.mark.public_data
 def test_real_routerag_dev_parquet():
     questions = load_questions(real_file("routerag/dev.parquet"))
     reference = json.loads(real_file("routerag/hotpotqa_dev_queries.json").read_text())  # the same 100 questions, plain
@@ -382,12 +385,14 @@ def test_real_routerag_dev_parquet():
     assert sum(q.question == ref["question"] for q, ref in zip(questions, reference)) == 96
 
 
+@pytest.mark.public_data
 def test_real_routerag_dev_parquet_resolves_against_its_corpus():
     corpus = load_corpus(real_file("routerag/corpus.json"))
     questions = load_questions(real_file("routerag/dev.parquet"), corpus)
     assert all(len(q.gold_passage_ids) == len(q.metadata["supporting_titles"]) for q in questions)
 
 
+@pytest.mark.public_data
 def test_real_routerag_train_rows_match_the_hotpotqa_loader(tmp_path, hotpotqa_dir):
     """Nine of the shared HotpotQA questions are in RouteRAG's training file; read both ways, they agree."""
     import pyarrow.compute as pc
@@ -405,6 +410,7 @@ def test_real_routerag_train_rows_match_the_hotpotqa_loader(tmp_path, hotpotqa_d
         assert set(q.gold_passage_ids) == set(expected.gold_passage_ids)
 
 
+@pytest.mark.public_data
 def test_real_routerag_popqa_test_set():
     raw = json.loads(real_file("routerag/popqa.json").read_text())
     questions = load_questions(real_file("routerag/popqa.json"))
@@ -415,6 +421,7 @@ def test_real_routerag_popqa_test_set():
         assert len(q.gold_passage_ids) == sum(1 for p in rec["paragraphs"] if p["is_supporting"]) >= 1
 
 
+@pytest.mark.public_data
 def test_real_flashrag_nq_sample_and_corpus_sample():
     questions = load_questions(real_file("flashrag/nq/test.jsonl"))
     assert len(questions) == 17 and questions[0].id == "test_0"

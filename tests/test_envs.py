@@ -465,7 +465,8 @@ def test_make_and_check_env(env_id):
     env = gymnasium.make(env_id, retriever=make_retriever(), questions=QUESTIONS)
     assert env.unwrapped.dialect.name == envs.SEARCH_ENV_IDS[env_id]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no render fps for a text environment
+        warnings.simplefilter("error")  # any other conformance warning fails the check
+        warnings.filterwarnings("ignore", message=".*No render fps was declared")  # a text env has no frame rate
         check_env(env.unwrapped)
     obs, info = env.reset(seed=3)
     assert isinstance(obs, str)

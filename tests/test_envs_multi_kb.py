@@ -176,7 +176,8 @@ def test_make_check_env_and_vector_env():
     kbs = {"Text Retriever": make_retriever(), "Table Retriever": KeywordRetriever(TABLE_PASSAGES)}
     env = gymnasium.make("raggym/MultiKBRoute-v0", knowledge_bases=kbs, questions=QUESTIONS)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")  # any other conformance warning fails the check
+        warnings.filterwarnings("ignore", message=".*No render fps was declared")  # a text env has no frame rate
         check_env(env.unwrapped)
     vec = SyncVectorEnv([lambda: gymnasium.make("raggym/MultiKBRoute-v0", knowledge_bases=kbs, questions=[NOLAN]) for _ in range(2)])
     obs, _ = vec.reset(seed=0)
@@ -385,3 +386,35 @@ def test_musique_questions_get_teacher_forced_steps(musique_dir):
     step = info["episode"].steps[0]
     assert step.gold_sub_question == "Who was the first president of American Psychological Association?"
     assert (step.gold_knowledge_base, step.gold_answer) == ("Text Retriever", "G. Stanley Hall")
+
+
+def test_a_none_sub_question_stops_whatever_ret_holds():
+    env = make_env()
+    env.reset(seed=0, options={"question": NOLAN})
+    text = "<think>I know enough.</think><sub-question>None</sub-question><ret>Text Retriever</ret>"
+    obs, reward, terminated, truncated, info = env.step(text)
+    # the paper's stop condition: straight to the final answer, no retrieval, no format error
+    assert info["next_phase"] == "final" and info["num_retrievals"] == 0 and not info["format_error"]
+    assert "final answer" in obs and not (terminated or truncated)
+
+
+def test_route_without_think_is_retrieved_but_scores_no_format_reward():
+    """A routing step that skips <think> still routes, but R_route's r_format is 0 (hand-computed)."""
+    import numpy as np
+
+    from raggym.rewards.r1_router import r1_router_step_rewards, step_format_ok
+
+    options = MultiKBRouteEnv.golden_step_options(NOLAN)
+    with_think = route(GOLD_0["query"], "Text Retriever")
+    without_think = f"<sub-question>{GOLD_0['query']}</sub-question><ret>Text Retriever</ret>"
+    outcomes = []
+    for text in (with_think, without_think):
+        env, *_ = forced(options[0])
+        *_, terminated, truncated, info = env.step(text)
+        assert terminated and not truncated  # both are routes
+        outcomes.append(info["episode"].outcome())
+    steps = [o.steps[0] for o in outcomes]
+    assert [step_format_ok(s) for s in steps] == [True, False]
+    embed = lambda texts: np.ones((len(texts), 2))  # noqa: E731  (every sub-question at cosine 1)
+    # gold route and cos 1: 1·(½·1 + ½·1) = 1 with the think block, 0·(…) = 0 without
+    assert r1_router_step_rewards(outcomes, embed) == pytest.approx([1.0, 0.0])

@@ -21,12 +21,8 @@ def table_world():
 
 
 @pytest.fixture(scope="module")
-def real_retriever(small_world):
-    retrieval = pytest.importorskip("raggym.retrieval")
-    retriever_cls = getattr(retrieval, "Retriever", None)
-    if retriever_cls is None:
-        pytest.skip("raggym.retrieval.Retriever is not available yet")
-    return retriever_cls.build(small_world.corpus, openie=small_world.openie, show_progress=False)
+def real_retriever(small_world_retriever):
+    return small_world_retriever
 
 
 def test_graph_search_then_answer_with_the_real_retriever(small_world, real_retriever):

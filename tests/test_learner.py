@@ -364,3 +364,155 @@ def test_a_learner_step_equals_a_plain_torch_step(tiny_model, batch):
                AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters() if name in WATCHED)
     del learner
     gc.collect()
+
+
+# ----------------------------------------------------------------------------- speed options
+# Prompt sharing, trimmed rows and π_old taken from the update's own forward must not change the
+# step. The optimizer is AdamW with eps = 1 ≫ |g| and lr = 1, so a parameter moves by about its
+# gradient (g / (|g| + 1)) and equal weights after a step mean equal gradients.
+
+
+def grouped_batch(prompt: int = 12, tails=(9, 14, 6, 11)):
+    """Two prompts of ``prompt`` tokens, each with two continuations; an observation masked out."""
+    g = torch.Generator().manual_seed(3)
+    ids, masks = [], []
+    for group in range(2):
+        shared = torch.randint(100, 20000, (prompt,), generator=g).tolist()
+        for tail in tails[2 * group : 2 * group + 2]:
+            ids.append(shared + torch.randint(100, 20000, (tail,), generator=g).tolist())
+            mask = [0] * prompt + [1] * tail
+            mask[prompt + 2 : prompt + 4] = [0, 0]  # retrieved text inside the response
+            masks.append(mask)
+    order = [0, 2, 1, 3]  # groups interleaved: the learner has to bring them together
+    return make_train_batch([ids[i] for i in order], [masks[i] for i in order], [1.0, -0.5, -1.0, 0.75])
+
+
+def speed_config(tiny_model, **overrides) -> dict:
+    base = {"model": tiny_model, "zero_stage": 0, "micro_batch_size": 2, "mini_batch_size": 4, "shuffle": False,
+            "grad_clip": 1e6, "optimizer": {"lr": 1.0, "eps": 1.0, "weight_decay": 0.0},
+            "loss": {"clip_low": 0.2, "kl_coef": 0.1, "entropy_coef": 0.01}, "min_shared_prefix": 8}
+    base.update(overrides)
+    return base
+
+
+def run_update(cfg: dict, batch) -> tuple[dict, dict]:
+    learner = Learner(cfg)
+    metrics = learner.update(dict(batch))
+    weights = dict(learner.hf_named_parameters())
+    del learner
+    gc.collect()
+    return metrics, weights
+
+
+def assert_same_step(a: tuple[dict, dict], b: tuple[dict, dict], keys=("pg_loss", "kl_loss", "entropy", "loss")):
+    (ma, wa), (mb, wb) = a, b
+    for k in keys:
+        assert ma[k] == pytest.approx(mb[k], abs=1e-5), k
+    for name, tensor in wa.items():
+        torch.testing.assert_close(wb[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_prompt_sharing_and_pi_old_from_the_update_forward_leave_the_step_unchanged(tiny_model):
+    batch = grouped_batch()
+    g = torch.Generator().manual_seed(4)
+    batch["ref_logprobs"] = batch["loss_mask"] * (torch.randn(batch["loss_mask"].shape, generator=g) * 0.3 - 9.0)
+    plain = run_update(speed_config(tiny_model, share_prompts=False, old_logprobs="recompute"), batch)
+    fast = run_update(speed_config(tiny_model), batch)
+    assert_same_step(plain, fast)
+    assert fast[0]["old_logprobs_recomputed"] == 0.0 and plain[0]["old_logprobs_recomputed"] == 1.0
+    assert fast[0]["seconds_old_logprobs"] == 0.0 and plain[0]["seconds_old_logprobs"] > 0
+    # the prompt ran once per group: 2·12 prompt tokens fewer than the 4 padded rows' real tokens
+    assert fast[0]["tokens_computed"] == fast[0]["tokens"] - 2 * 12
+    assert plain[0]["tokens_computed"] == plain[0]["tokens"]
+
+
+def test_rollout_logprobs_stand_in_for_pi_old_only_while_the_drift_is_small(tiny_model):
+    """Two PPO epochs: the second uses the rollout's logprobs, unless the first mini-batch's drift
+    exceeds ``max_logprob_drift``; then π_old is recomputed before the first optimizer step."""
+    batch = grouped_batch()
+    exact = run_update(speed_config(tiny_model, ppo_epochs=2, share_prompts=False, old_logprobs="recompute"), batch)
+    probe = Learner(speed_config(tiny_model))
+    at_rollout = probe.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    del probe
+    gc.collect()
+    mask = batch["loss_mask"] > 0
+    same = run_update(speed_config(tiny_model, ppo_epochs=2), {**batch, "sampled_logprobs": at_rollout})
+    assert_same_step(exact, same)
+    assert same[0]["old_logprobs_recomputed"] == 0.0 and same[0]["logprob_drift_max"] < 1e-4
+    off = run_update(speed_config(tiny_model, ppo_epochs=2), {**batch, "sampled_logprobs": at_rollout + 0.5 * mask})
+    assert off[0]["old_logprobs_recomputed"] == 1.0 and off[0]["logprob_drift_mean"] == pytest.approx(0.5, abs=1e-4)
+    assert_same_step(exact, off)
+
+
+def teacher_only_config(tiny_model, micro: int) -> dict:
+    return speed_config(tiny_model, micro_batch_size=micro, loss={
+        "teacher_kl": True, "teacher_top_k": 16, "teacher_max_weight": 0.5, "teacher_warmup_steps": 20})
+
+
+def test_teacher_kl_is_the_mean_over_the_batchs_evidence_poor_trajectories(tiny_model, batch):
+    """PathRouter: λ · 1/|I_low| Σ_{i∈I_low} KL_i over the whole batch (Eq. of the paper), checked
+    against the formula on full logits in plain torch, whatever the micro-batch split."""
+    from transformers import AutoModelForCausalLM
+
+    from raggym.algorithms.losses import teacher_topk, topk_forward_kl
+
+    tb = with_teacher_fields(batch)
+    tb["advantages"] = torch.zeros(4)  # the teacher term alone moves the weights
+    tb["evidence_overlap"] = torch.tensor([0.5, 0.5, 0.05, 0.9])  # one evidence-poor row of four (rare)
+    lam = 0.5  # step 20 ≥ W: λ = λ̄
+    runs = {}
+    for micro in (1, 2, 4):
+        learner = Learner(teacher_only_config(tiny_model, micro))
+        runs[micro] = learner.update(dict(tb), step=20), dict(learner.hf_named_parameters())
+        del learner
+        gc.collect()
+    for micro in (2, 4):  # micro 1 is GA 4: the old per-micro-batch mean weighted it by 1/4
+        assert_same_step(runs[1], runs[micro], keys=("teacher_kl", "loss"))
+    metrics = runs[1][0]
+    assert metrics["teacher_kl_trajectories"] == 1.0
+    assert metrics["teacher_loss"] == pytest.approx(lam * metrics["teacher_kl"], rel=1e-5)  # no 1/GA shrink
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0, eps=1.0, weight_decay=0.0)
+    student = model(input_ids=tb["token_ids"], attention_mask=tb["attention_mask"]).logits
+    student = torch.nn.functional.pad(student[:, :-1], (0, 0, 1, 0))  # logits that predict token t
+    t_logits = teacher(input_ids=tb["teacher_token_ids"], attention_mask=tb["teacher_attention_mask"]).logits
+    src = (tb["teacher_positions"] - 1).clamp(min=0)
+    values, indices = teacher_topk(t_logits.gather(1, src[..., None].expand(-1, -1, t_logits.shape[-1])), 16)
+    per_pos = topk_forward_kl(student, values, indices)
+    mask = tb["loss_mask"].clone()
+    mask[:, 0] = 0
+    span = tb["teacher_kl_mask"] * (tb["teacher_positions"] > 0) * mask
+    per_traj = (per_pos * span).sum(-1) / span.sum(-1)
+    poor = tb["evidence_overlap"] < 0.1
+    loss = lam * per_traj[poor].mean()
+    assert float(per_traj[poor].mean().detach()) == pytest.approx(metrics["teacher_kl"], rel=1e-4)
+    loss.backward()
+    opt.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(runs[1][1][name], p.detach(), atol=1e-5, rtol=0, msg=name)
+
+
+def test_theta_p_is_one_key_for_the_routes_and_the_teacher_selection():
+    from pathlib import Path
+
+    from experiments.config import ConfigError, load_config
+    from experiments.runtime import learner_config
+
+    tiny = str(Path(__file__).resolve().parents[1] / "experiments" / "configs" / "pathrouter_tiny.yaml")
+    with pytest.raises(ConfigError, match="reward.evidence_threshold"):
+        load_config(tiny, ["learner.loss.evidence_threshold=0.2"])
+    cfg = load_config(tiny, ["reward.evidence_threshold=0.3"])
+    assert LearnerConfig.from_dict(learner_config(cfg)).loss.evidence_threshold == 0.3
+
+
+def test_dual_clip_reaches_the_learners_loss(tiny_model):
+    """verl's dual clip only bites at ratios above c with Â < 0: a second PPO epoch after a large
+    first step has such tokens, so the two settings must give different second steps."""
+    batch = grouped_batch()
+    common = dict(ppo_epochs=2, mini_batch_size=2, old_logprobs="recompute", share_prompts=False)
+    plain = run_update(speed_config(tiny_model, **common), batch)
+    dual = run_update(speed_config(tiny_model, **common, loss={"clip_low": 0.2, "dual_clip": True, "clip_ratio_c": 1.5}), batch)
+    assert dual[0]["clip_fraction_lower"] > 0
+    assert dual[0]["pg_loss"] < plain[0]["pg_loss"]  # capping a loss term can only lower it

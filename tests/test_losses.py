@@ -57,6 +57,28 @@ def test_clip_higher_and_negative_advantage_low_clip():
     assert loss_neg.item() == pytest.approx(0.8)
 
 
+def test_dual_clip_caps_negative_advantage_tokens_hand_computed():
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    new = _log([[5.0, 2.0, 5.0, 0.5]])  # ratios 5, 2, 5, 0.5
+    adv = torch.tensor([[-1.0, -1.0, 2.0, -2.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4)
+    plain, _ = clipped_policy_loss(new, old, adv, mask, clip_low=0.2)
+    # without the dual clip: max(5, 1.2) = 5; max(2, 1.2) = 2; max(−10, −2.4) = −2.4;
+    # max(1, 1.6) = 1.6 → mean (5 + 2 − 2.4 + 1.6)/4 = 1.55
+    assert plain.item() == pytest.approx(1.55)
+    loss, stats = clipped_policy_loss(new, old, adv, mask, clip_low=0.2, dual_clip=True, clip_ratio_c=3.0)
+    # Â < 0 tokens capped at −Â·3: min(5, 3) = 3; min(2, 3) = 2; min(1.6, 6) = 1.6; the Â > 0
+    # token keeps −2.4 → (3 + 2 − 2.4 + 1.6)/4 = 1.05; one of four tokens was capped
+    assert loss.item() == pytest.approx(1.05)
+    assert stats["clip_fraction_lower"].item() == pytest.approx(0.25)
+    # the cap also blocks the gradient: ∂L/∂log π is 0 on the capped token, −Â·ρ/4 elsewhere
+    new.requires_grad_(True)
+    clipped_policy_loss(new, old, adv, mask, clip_low=0.2, dual_clip=True)[0].backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 0.5, 0.0, 0.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="greater than 1"):
+        clipped_policy_loss(new, old, adv, mask, dual_clip=True, clip_ratio_c=1.0)
+
+
 def test_sequence_advantages_broadcast_and_mask():
     old = torch.zeros(2, 2, dtype=torch.float64)
     new = torch.zeros(2, 2, dtype=torch.float64)  # ratio 1
@@ -128,6 +150,10 @@ def test_kl_estimators_hand_computed():
     # k3 = π_ref/π − 1 − ln(π_ref/π) = 0.5 − 1 + ln 2 = 0.1931
     assert kl_estimate(lp, ref, "low_var_kl").item() == pytest.approx(0.5 - 1 + ln2)
     assert kl_estimate(lp, ref, "k3").item() == kl_estimate(lp, ref, "low_var_kl").item()
+    # abs: |ln 2| either way round
+    assert kl_estimate(lp, ref, "abs").item() == pytest.approx(ln2)
+    assert kl_estimate(ref, lp, "abs").item() == pytest.approx(ln2)
+    assert kl_estimate(ref, lp, "k1").item() == pytest.approx(-ln2)
     # clamped at 10 when the reference is far more likely: e^20 − 1 − 20 → 10
     assert kl_estimate(_log([1e-12]), _log([0.9]), "k3").item() == 10.0
     with pytest.raises(ValueError):

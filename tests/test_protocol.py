@@ -209,6 +209,18 @@ def test_routerag_prompt_explains_every_tag_and_mode():
     assert prompt.rstrip().endswith("Question: Who created Curious?")
 
 
+def test_routerag_prompt_gives_no_cost_hint_and_allows_any_number_of_searches():
+    # RouteRAG's Table 6 prompt: the modes differ only in how they find documents, and the model
+    # may search as often as it wants; which mode is cheaper is left to the efficiency reward.
+    for prompt in (ROUTERAG.instruction_prompt("Q?"), ROUTERAG.instruction_prompt("Q?", modes=("passage", "graph"))):
+        lowered = prompt.lower()
+        for hint in ("cheap", "cost", "expensive", "fast", "slow"):
+            assert hint not in lowered, hint
+        assert "as many times as you like" in prompt
+    assert "returns documents, each by its own method" in ROUTERAG.instruction_prompt("Q?")
+    assert "as many times" not in ROUTERAG.instruction_prompt("Q?", max_searches=4)
+
+
 # ----------------------------------------------------------------------------- Search-R1
 
 SEARCH_R1 = get_dialect("search_r1")
@@ -424,13 +436,15 @@ def test_r1_router_none_none_stops():
     stop = R1_ROUTER.parse("<think>Both start dates are known.</think>\n<sub-question>None</sub-question>\n<ret>None</ret>")
     assert stop.kind == "route" and stop.query is None and stop.mode is None and stop.stops_routing
     assert R1_ROUTER.parse("<think>a</think><sub-question> none </sub-question><ret>NONE</ret>").stops_routing
+    # the paper's condition is the sub-question alone: a None sub-question stops whatever <ret> says
+    any_kb = R1_ROUTER.parse("<think>a</think><sub-question>None</sub-question><ret>Text Retriever</ret>")
+    assert any_kb.stops_routing and any_kb.mode is None and any_kb.well_formed
 
 
 @pytest.mark.parametrize(
     "segment, error",
     [
-        ("<think>a</think><sub-question>None</sub-question><ret>Text Retriever</ret>", "needs <ret>None</ret>"),
-        ("<think>a</think><sub-question>When?</sub-question><ret>None</ret>", "needs <ret>None</ret>"),
+        ("<think>a</think><sub-question>When?</sub-question><ret>None</ret>", "needs a None sub-question"),
         ("<think>a</think><sub-question>When?</sub-question><ret>Web Search</ret>", "unknown knowledge base"),
         ("<think>a</think><sub-question>When?</sub-question>", "must be followed by <ret>"),
         ("<think>a</think><ret>Text Retriever</ret>", "<ret> must follow a <sub-question>"),

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from actors.retrieval_service import GraphReplica, IndexShard, start_retrieval_service  # noqa: E402
-from raggym.retrieval import Retriever  # noqa: E402
+from actors.retrieval_service import GraphReplica, IndexShard, start_retrieval_service
+from raggym.retrieval import Retriever
 
 
 @pytest.fixture(scope="module")

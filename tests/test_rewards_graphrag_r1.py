@@ -21,14 +21,22 @@ def test_format_reward():
     assert graphrag_r1_format_reward(False) == 0.0
 
 
-def test_pra_geometric_default_k_half():
-    # R_N = 0.5·(1 − 0.5^N)/(1 − 0.5) = 1 − 0.5^N
+def test_pra_default_is_the_papers_k_one():
+    # k = 1 (implementation details): R_N = R0·N = 0.5·N
+    assert GraphRAGR1Config().pra_decay == 1.0 and GraphRAGR1Config().pra_initial == 0.5
     assert progressive_retrieval_attenuation(0) == 0.0
     assert progressive_retrieval_attenuation(1) == pytest.approx(0.5)
-    assert progressive_retrieval_attenuation(2) == pytest.approx(0.75)
-    assert progressive_retrieval_attenuation(3) == pytest.approx(0.875)
+    assert progressive_retrieval_attenuation(4) == pytest.approx(2.0)
+    assert progressive_retrieval_attenuation(8) == pytest.approx(4.0)
+
+
+def test_pra_geometric_k_half():
+    # R_N = 0.5·(1 − 0.5^N)/(1 − 0.5) = 1 − 0.5^N
+    assert progressive_retrieval_attenuation(1, k=0.5) == pytest.approx(0.5)
+    assert progressive_retrieval_attenuation(2, k=0.5) == pytest.approx(0.75)
+    assert progressive_retrieval_attenuation(3, k=0.5) == pytest.approx(0.875)
     # bounded by R0/(1 − k) = 1
-    assert progressive_retrieval_attenuation(50) < 1.0
+    assert progressive_retrieval_attenuation(50, k=0.5) < 1.0
 
 
 def test_pra_paper_k_one_is_linear_and_continuous():
@@ -54,19 +62,21 @@ def _episode(answer, n, format_ok=True):
 
 
 def test_phase_rewards():
-    # phase 2: 0.5 + PRA(2) = 0.5 + 0.75
-    assert graphrag_r1_phase2_reward(_episode("Lyon", 2)) == pytest.approx(1.25)
+    # phase 2 at the default k = 1: 0.5 + PRA(2) = 0.5 + 0.5·2
+    assert graphrag_r1_phase2_reward(_episode("Lyon", 2)) == pytest.approx(1.5)
+    # at k = 0.5: 0.5 + 0.75
+    assert graphrag_r1_phase2_reward(_episode("Lyon", 2), GraphRAGR1Config(pra_decay=0.5)) == pytest.approx(1.25)
     # phase 3, broken format, F1("Paris France", "Paris") = 2/3: 0 + (2/3)·2·e^(−0.1·2)
     assert graphrag_r1_phase3_reward(_episode("Paris France", 2, format_ok=False)) == pytest.approx(
         (2 / 3) * 2 * math.exp(-0.2)
     )
-    # the paper's k = 1: phase 2 with 2 retrievals is 0.5 + 0.5·2
-    assert graphrag_r1_phase2_reward(_episode("x", 2), GraphRAGR1Config(pra_decay=1.0)) == pytest.approx(1.5)
+    # broken format at k = 1 with 3 retrievals: 0 + 0.5·3
+    assert graphrag_r1_phase2_reward(_episode("x", 3, format_ok=False)) == pytest.approx(1.5)
 
 
 def test_batch_dispatch():
     batch = [_episode("Paris", 0), _episode("Lyon", 1)]
-    assert graphrag_r1_batch_rewards(batch, 2) == pytest.approx([0.5, 1.0])
+    assert graphrag_r1_batch_rewards([*batch, _episode("Lyon", 3)], 2) == pytest.approx([0.5, 1.0, 2.0])
     assert graphrag_r1_batch_rewards(batch, 3) == pytest.approx([2.5, 0.5])
     with pytest.raises(ValueError, match="SFT"):
         graphrag_r1_batch_rewards(batch, 1)

@@ -77,10 +77,17 @@ def test_search_reward_cases():
     assert lws_search_reward(["Eiffel Tower height"]) == 0.0
     assert lws_search_reward(["how tall is the Eiffel Tower"]) == -1.0
     e = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    assert lws_search_reward(["a", "b", "c"], query_embeddings=e) == pytest.approx(-math.sqrt(2) / 3)
-    # Identical queries are maximally redundant.
+    # Eq. 8: Σ_{i<j} cos / (RC·(RC−1)) = (2/√2) / 6 = √2/6 ≈ 0.2357, half the pair mean
+    assert lws_search_reward(["a", "b", "c"], query_embeddings=e) == pytest.approx(-math.sqrt(2) / 6)
+    pair_mean = LWSConfig(similarity_normaliser="pair_mean")
+    assert lws_search_reward(["a", "b", "c"], query_embeddings=e, config=pair_mean) == pytest.approx(-math.sqrt(2) / 3)
+    # Identical queries are maximally redundant: one pair, cos 1 → −1/(2·1) under Eq. 8, −1 as a mean.
     table = {"x": [1.0, 2.0], "y": [1.0, 2.0]}
-    assert lws_search_reward(["x", "y"], embed=lambda qs: np.array([table[q] for q in qs])) == pytest.approx(-1.0)
+    embed = lambda qs: np.array([table[q] for q in qs])  # noqa: E731
+    assert lws_search_reward(["x", "y"], embed=embed) == pytest.approx(-0.5)
+    assert lws_search_reward(["x", "y"], embed=embed, config=pair_mean) == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="similarity_normaliser"):
+        LWSConfig(similarity_normaliser="mean")
     with pytest.raises(ValueError, match="embed"):
         lws_search_reward(["a", "b"])
 
@@ -101,7 +108,11 @@ def test_correctness_rules_and_judge():
     assert not lws_is_correct("Paris France", ["Paris"], LWSConfig(correct_if="em"))
     assert lws_is_correct("Paris France", ["Paris"], LWSConfig(correct_if="f1"))
     assert not lws_is_correct(None, ["Paris"])
-    assert lws_is_correct("anything", ["Paris"], judge=lambda a, g: a == "anything")
+    assert lws_is_correct("anything", ["Paris"], judge=lambda q, a, g: a == "anything")
+    # the judge sees the question too
+    seen = []
+    lws_is_correct("Paris", ["Paris"], judge=lambda q, a, g: seen.append((q, a, tuple(g))) or True, question="Capital?")
+    assert seen == [("Capital?", "Paris", ("Paris",))]
 
 
 RESPONSE = (
@@ -129,8 +140,8 @@ def test_full_reward_bad_format_wrong_answer_two_queries():
     )
     e = np.array([[1.0, 0.0], [0.6, 0.8]])  # cosine 0.6
     terms = lws_reward_terms(o, stage=1, query_embeddings=e)
-    # format −1, search −0.6, answer −1 + 0.3·2 = −0.4 → −2.0
-    assert terms == pytest.approx({"format": -1.0, "search": -0.6, "answer": -0.4, "total": -2.0})
+    # format −1, search −0.6/(2·1) = −0.3 (Eq. 8), answer −1 + 0.3·2 = −0.4 → −1.7
+    assert terms == pytest.approx({"format": -1.0, "search": -0.3, "answer": -0.4, "total": -1.7})
 
 
 def test_format_needs_environment_flag_and_text_structure():
@@ -140,3 +151,41 @@ def test_format_needs_environment_flag_and_text_structure():
     flagged = EpisodeOutcome(answer="330 metres", gold_answers=("330 metres",),
                              queries=("Eiffel Tower height",), response_text=RESPONSE, format_ok=False)
     assert lws_reward_terms(flagged, stage=1)["format"] == -1.0
+
+
+# --- the judge decides "correct" (a judge is a callable (question, prediction, golds) -> bool) ----
+
+
+def _alias_judge(question, prediction, golds):
+    """A judge that knows one alias EM cannot see, and rejects a hedge EM/F1 would accept."""
+    if question == "Who wrote Hamlet?":
+        return prediction.strip().lower() in ("shakespeare", "the bard", "william shakespeare")
+    return prediction.strip().lower() in (g.lower() for g in golds)
+
+
+def test_reward_follows_the_judge_where_it_disagrees_with_em():
+    from raggym.rewards.lws import lws_batch_rewards
+
+    alias = EpisodeOutcome(answer="the Bard", gold_answers=("William Shakespeare",), question="Who wrote Hamlet?",
+                           queries=("Hamlet author",), response_text=RESPONSE.replace("330 metres", "the Bard"))
+    hedge = EpisodeOutcome(answer="Paris or Lyon", gold_answers=("Paris",), question="Capital of France?",
+                           queries=("France capital",), response_text=RESPONSE.replace("330 metres", "Paris or Lyon"))
+    # EM/F1 fallback: "the Bard" has F1 0 → wrong; "Paris or Lyon" has F1 2·(1/3)·1/(4/3) = 0.5 → correct
+    assert [lws_is_correct(o.answer, o.gold_answers) for o in (alias, hedge)] == [False, True]
+    # stage 1, one concise query, format +1: wrong → 1 + 0 + (−1 + 0.3) = 0.3; correct → 1 + 0 + 1 = 2
+    assert lws_batch_rewards([alias, hedge], 1) == pytest.approx([0.3, 2.0])
+    # the judge flips both verdicts
+    assert lws_batch_rewards([alias, hedge], 1, judge=_alias_judge) == pytest.approx([2.0, 0.3])
+    # stage 2: correct → 1 + 0 + (1 − 0.3) = 1.7; wrong → 1 + 0 − 1 = 0
+    assert lws_batch_rewards([alias, hedge], 2, judge=_alias_judge) == pytest.approx([1.7, 0.0])
+    assert lws_reward(alias, 2, judge=_alias_judge) == pytest.approx(1.7)
+
+
+def test_schedule_from_config_uses_the_judge():
+    from raggym.rewards.schedules import reward_schedule_from_config
+
+    alias = EpisodeOutcome(answer="the Bard", gold_answers=("William Shakespeare",), question="Who wrote Hamlet?")
+    schedule = reward_schedule_from_config({"method": "lws", "stage2_start": 1}, judge=_alias_judge)
+    # no response text, env format ok → +1; no query → 0; stage 1 correct → 1; stage 2 → 1 − 0
+    assert schedule(0)([alias]) == pytest.approx([2.0])
+    assert reward_schedule_from_config({"method": "lws", "stage2_start": 1})(0)([alias]) == pytest.approx([0.0])

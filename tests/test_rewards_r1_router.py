@@ -52,3 +52,15 @@ def test_answer_rewards():
     assert final_answer_reward("It is Paris, France.", "Paris France") == 1.0
     assert final_answer_reward("Paris", "Paris France") == 0.0
     assert final_answer_reward("Paris", ["Paris France", "Paris"]) == 1.0
+
+
+def test_step_format_needs_the_think_block_and_no_env_error():
+    from raggym.rewards.r1_router import step_format_ok
+
+    def step(well_formed, format_error=False):
+        return {"format_error": format_error, "action": {"kind": "route", "well_formed": well_formed}}
+
+    assert step_format_ok(step(True))
+    assert not step_format_ok(step(False))  # a route without <think> (or with stray text)
+    assert not step_format_ok(step(True, format_error=True))
+    assert not step_format_ok({"format_error": False})  # no parsed action recorded: not well formed

@@ -46,9 +46,10 @@ def test_lws_two_stages():
     batch = _batch()
     # episode 0, no response_text and format_ok → +1; one concise query → 0;
     # stage 1 correct → 1 (total 2); stage 2 → 1 − 0.3 (total 1.7)
-    # episode 2: +1, −1 (identical queries), wrong: stage 1 −1 + 0.6, stage 2 −1
-    assert sched(0)(batch) == pytest.approx([2.0, 1.0, -0.4])
-    assert sched(3)(batch) == pytest.approx([1.7, 0.4, -1.0])
+    # episodes 1 and 2: +1 and −1/(2·1) = −0.5 (two identical queries, Eq. 8); episode 1 is
+    # correct: stage 1 +1, stage 2 1 − 0.6; episode 2 wrong: stage 1 −1 + 0.6, stage 2 −1
+    assert sched(0)(batch) == pytest.approx([2.0, 1.5, 0.1])
+    assert sched(3)(batch) == pytest.approx([1.7, 0.9, -0.5])
 
 
 def test_graphrag_r1_three_phases():
@@ -56,8 +57,8 @@ def test_graphrag_r1_three_phases():
     assert [sched.stage_at(s) for s in (0, 5, 10)] == ["phase1_sft", "phase2", "phase3"]
     with pytest.raises(ValueError, match="supervised"):
         sched(2)
-    # phase 2: 0.5 + PRA(N) with k = 0.5: N = 1 → 0.5, N = 2 → 0.75
-    assert sched(5)(_batch()) == pytest.approx([1.0, 1.25, 1.25])
+    # phase 2: 0.5 + PRA(N) with the default k = 1: N = 1 → 0.5, N = 2 → 1.0
+    assert sched(5)(_batch()) == pytest.approx([1.0, 1.5, 1.5])
     # without SFT steps phase 2 starts at 0
     assert graphrag_r1_schedule(phase3_start=4).stage_at(0) == "phase2"
 

@@ -100,3 +100,57 @@ def test_builder_rejects_overlong_turns(hf_engine):
         b.add_model_turn([5, 6, 7, 8], [0.0] * 4)
     with pytest.raises(RuntimeError):
         b.add_prompt([1])
+
+
+def test_turn_cap_cuts_a_turn_and_sequence_cap_ends_the_episode(hf_engine, small_world, small_world_retriever):
+    """Per-turn cap 10 and a 4,096-style context cap, hand-counted on one scripted episode.
+
+    Turn 1 (a search of more than 10 tokens) is cut to 10 by the per-turn cap; the env answers the
+    unfinished segment with an observation, kept at 20 tokens. Turn 2 may then sample only what
+    the context has left (S - prompt - 10 - 20 = 6 < 10), after which the episode is truncated
+    for its sequence length, never for its response budget (1,000 tokens, far from reached).
+    """
+    tok = hf_engine.tokenizer
+    q = next(q for q in small_world.questions if q.hops == 1)
+    long_search = f"<think>I should look this up first</think><search> [passage] {q.question} </search>"
+    long_answer = f"<think>now I know the answer to this question</think><answer>{q.answer}</answer>"
+    assert len(tok(long_search, add_special_tokens=False)["input_ids"]) > 10
+    assert len(tok(long_answer, add_special_tokens=False)["input_ids"]) > 10
+    env = RagSearchEnv(small_world_retriever, [q], dialect="routerag")
+    prompt_len = len(chat_prompt_ids(tok, env.reset(options={"question": q})[0]))
+    sequence_cap = prompt_len + 10 + 20 + 6
+    engine = ScriptedEngine(tok, [long_search, long_answer])
+    cfg = RolloutConfig(max_response_tokens=1000, max_turn_tokens=10, max_observation_tokens=20, waves=1,
+                        max_sequence_tokens=sequence_cap)
+    traj, = MultiTurnRollout(LocalBackend(engine), tok, config=cfg).run([env], [EpisodeRequest(q, "g0")])
+    assert [len(t["token_ids"]) for t in traj.turns] == [10, 6]
+    assert len(engine.calls) == 2 and len(engine.calls[1][0]) == prompt_len + 10 + 20
+    assert traj.prompt_length == prompt_len and len(traj.token_ids) == sequence_cap
+    assert sum(traj.loss_mask) == 16
+    assert traj.truncated_by_length and env.record.truncated
+    assert env.record.truncation_reason == "sequence_tokens"
+
+
+def test_sequence_cap_cuts_an_observation_to_the_room_left(hf_engine, small_world, small_world_retriever):
+    """An observation longer than the context's room keeps only the room's tokens, then the episode ends."""
+    tok = hf_engine.tokenizer
+    q = next(q for q in small_world.questions if q.hops == 1)
+    search = f"<search> [passage] {q.question} </search>"
+    search_len = len(tok(search, add_special_tokens=False)["input_ids"])
+    env = RagSearchEnv(small_world_retriever, [q], dialect="routerag")
+    prompt_len = len(chat_prompt_ids(tok, env.reset(options={"question": q})[0]))
+    cfg = RolloutConfig(max_response_tokens=1000, max_turn_tokens=100, max_observation_tokens=200, waves=1,
+                        max_sequence_tokens=prompt_len + search_len + 5)
+    engine = ScriptedEngine(tok, [search])
+    traj, = MultiTurnRollout(LocalBackend(engine), tok, config=cfg).run([env], [EpisodeRequest(q, "g0")])
+    assert len(engine.calls) == 1
+    assert traj.span_labels.count(SpanLabel.OBSERVATION) == 5
+    assert len(traj.token_ids) == prompt_len + search_len + 5
+    assert env.record.truncation_reason == "sequence_tokens"
+
+
+def test_rollout_config_rejects_a_nonpositive_sequence_cap():
+    with pytest.raises(ValueError, match="max_sequence_tokens"):
+        RolloutConfig(max_sequence_tokens=0)
+    with pytest.raises(ValueError, match="max_turn_tokens"):
+        RolloutConfig(max_turn_tokens=0)

@@ -1,9 +1,11 @@
-"""Serving (issue #8): the Ray Serve app over HTTP, request validation, batching, safe loading.
+"""Serving (issues #8, #17): the Ray Serve app over HTTP, validation, API keys, limits, batching.
 
 One module-scoped app (SmolLM2 on CPU, a 120-entity synthetic world index with its graph) is
-started on a private local Ray and called through real HTTP clients: urllib, aiohttp for the
-concurrent burst, and the ``openai`` package for the chat endpoint. Generation is kept short
-(12 tokens per turn, at most 2 turns) so the module stays lean.
+started on a private local Ray with an API key (from ``RAGGYM_SERVE_API_KEY``) and a cap of four
+episodes in flight, and called through real HTTP clients: urllib, aiohttp for concurrent bursts,
+and the ``openai`` package for the chat endpoint. Generation is kept short (12 tokens per turn,
+at most 3 turns) so the module stays lean. ``tests/test_serve_api.py`` covers the same HTTP layer
+without Ray.
 """
 
 from __future__ import annotations
@@ -11,18 +13,19 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings
 
-from actors.serving import AgentCore, ApiError, HttpApi, ServeSettings, turn_summary
+from actors.serving import AgentApi, AgentCore, ApiError, ServeSettings, turn_summary
+from test_serve_api import MALFORMED, request  # the malformed-body strategy and the HTTP helper, shared
 from experiments.serve import CheckpointError, check_index, load_config, resolve_checkpoint, supported_modes
 
 TURN_TOKENS = 12
+KEY = "serve-test-" + "Zr8pK" * 6
+WRONG_KEY = "serve-test-" + "Zr8pK" * 5 + "Zr8pQ"
+IN_FLIGHT_CAP = 4
 
 
 def _free_port() -> int:
@@ -50,33 +53,33 @@ def index(world, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(index):
+    import os
+
     import ray
     from ray import serve
 
-    from experiments.serve import start
+    from experiments.serve import API_KEY_ENV, start
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     settings_ = {"checkpoint": "smollm2-135m", "index": index[0], "max_turn_tokens": TURN_TOKENS,
                  "default_max_turns": 2, "max_turns_limit": 3, "max_question_chars": 2000,
                  "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "engine_threads": 1,
-                 "policy_cpus": 1, "retrieval_cpus": 0.5, "ingress_cpus": 0.5, "status_endpoint": True}
+                 "policy_cpus": 1, "retrieval_cpus": 0.5, "ingress_cpus": 0.5, "status_endpoint": True,
+                 "max_episodes_in_flight": IN_FLIGHT_CAP}
+    os.environ[API_KEY_ENV] = KEY  # read by build_app; only its digest reaches Ray
     try:
         url = start(settings_, host="127.0.0.1", port=port, route_prefix="/agent")
         yield url, settings_
     finally:
+        os.environ.pop(API_KEY_ENV, None)
         serve.shutdown()
         ray.shutdown()
 
 
-def _request(url: str, method: str = "GET", body: bytes | None = None, content_type: str | None = "application/json"):
-    headers = {"Content-Type": content_type} if content_type else {}
-    req = urllib.request.Request(url, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+def _request(url, method="GET", body=None, content_type="application/json", key=KEY):
+    """``request`` with this module's key."""
+    return request(url, method, body, content_type, key)
 
 
 def _post(url: str, obj) -> tuple[int, dict, dict]:
@@ -119,10 +122,12 @@ def test_answer_endpoint_returns_trajectory(server, world, index, hf_engine):
 
 
 def test_openai_chat_completion(server, world):
-    from openai import BadRequestError, NotFoundError, OpenAI
+    from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 
     url, _ = server
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    with pytest.raises(AuthenticationError, match="incorrect API key"):
+        OpenAI(base_url=f"{url}/v1", api_key=WRONG_KEY, max_retries=0).models.list()
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]
     resp = client.chat.completions.create(
@@ -200,28 +205,104 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, world):
     assert _request(f"{url}/healthz")[:2] == (200, {"status": "ok"})
     status, details, _ = _request(f"{url}/v1/status")
     assert status == 200 and details["requests"]["refused"] >= len(BAD_REQUESTS)
+    assert details["requests"]["failed"] == 0
+
+
+async def _answer_burst(url: str, questions: list[str]) -> list[tuple[int, dict, str | None]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as session:
+        async def one(q):
+            async with session.post(f"{url}/v1/answer", json={"question": q, "max_turns": 1}) as r:
+                return r.status, await r.json(), r.headers.get("Retry-After")
+        return await asyncio.gather(*[one(q) for q in questions])
 
 
 def test_concurrent_burst_is_batched(server, world):
-    import aiohttp
-
     url, _ = server
-
-    async def burst():
-        async with aiohttp.ClientSession() as session:
-            async def one(q):
-                async with session.post(f"{url}/v1/answer", json={"question": q.question, "max_turns": 1}) as r:
-                    return r.status, await r.json()
-            return await asyncio.gather(*[one(q) for q in world.questions[3:11]])
-
-    results = asyncio.run(burst())
-    assert [s for s, _ in results] == [200] * 8
-    assert all(len(out["turns"]) == 1 for _, out in results)
+    results = asyncio.run(_answer_burst(url, [q.question for q in world.questions[3:3 + IN_FLIGHT_CAP]]))
+    assert [s for s, _, _ in results] == [200] * IN_FLIGHT_CAP
+    assert all(len(out["turns"]) == 1 for _, out, _ in results)
     status, details, _ = _request(f"{url}/v1/status")
     batching = details["engine"]["batching"]
     assert batching["max_batch_size"] > 1, batching
     assert batching["batches"] < batching["calls"]
     assert details["engine"]["max_batch_size"] == 8 and details["engine"]["batch_wait_timeout_s"] == 0.05
+
+
+def test_overload_gets_503_with_retry_after_and_no_other_5xx(server, world):
+    url, _ = server
+    questions = [q.question for q in world.questions[:12]]
+    results = asyncio.run(_answer_burst(url, questions))
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) <= {200, 503} and 503 in statuses and statuses.count(200) >= 1, statuses
+    for status, body, retry_after in results:
+        if status == 503:
+            assert retry_after == "1" and body["error"]["code"] == "server_overloaded"
+    _, details, _ = _request(f"{url}/v1/status")
+    assert details["requests"]["overloaded"] >= statuses.count(503) and details["requests"]["failed"] == 0
+    assert _request(f"{url}/healthz", key=None)[:2] == (200, {"status": "ok"})
+
+
+def test_api_key_on_every_endpoint_but_healthz(server, world):
+    url, _ = server
+    question = world.questions[12].question
+    calls = [("GET", "/v1/models", None), ("GET", "/v1/status", None), ("GET", "/v1/nothing", None),
+             ("POST", "/v1/answer", json.dumps({"question": question, "max_turns": 1}).encode()),
+             ("POST", "/v1/chat/completions", json.dumps({"model": "smollm2-135m", "raggym": {"max_turns": 1},
+                                                          "messages": [{"role": "user", "content": question}]}).encode())]
+    for method, path, body in calls:
+        got = [_request(url + path, method, body, key=k) for k in (None, WRONG_KEY, KEY)]
+        want = 404 if path == "/v1/nothing" else 200
+        assert [g[0] for g in got] == [401, 401, want], (path, [g[:2] for g in got])
+        assert [g[1]["error"]["code"] for g in got[:2]] == ["missing_api_key", "invalid_api_key"]
+        assert all(g[2]["www-authenticate"] == "Bearer" for g in got[:2])
+        assert not any(KEY in json.dumps(g[1]) or WRONG_KEY in json.dumps(g[1]) for g in got)
+    assert _request(f"{url}/healthz", key=None)[:2] == (200, {"status": "ok"})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=MALFORMED)
+def test_malformed_bodies_over_serve_get_4xx(server, body):
+    url, _ = server
+    status, out, _ = _request(f"{url}/v1/answer", "POST", body)
+    assert 400 <= status < 500 and set(out["error"]) == {"message", "type", "param", "code"}, (status, body, out)
+
+
+def test_serve_answers_after_malformed_bodies_and_a_disconnected_client(server, world):
+    import time
+
+    url, _ = server
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"question": world.questions[13].question, "max_turns": 3}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /agent/v1/answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.0)
+    started = time.monotonic()
+    while True:  # the episode stops before its next model call, and its slot is free
+        _, details, _ = _request(f"{url}/v1/status")
+        if details["requests"]["in_flight"] == 0 and details["requests"]["client_disconnected"] >= 1:
+            break
+        assert time.monotonic() - started < 60, details["requests"]
+        time.sleep(0.2)
+    status, out, _ = _post(f"{url}/v1/answer", {"question": world.questions[14].question, "max_turns": 1})
+    assert status == 200 and len(out["turns"]) == 1
+    assert details["requests"]["failed"] == 0
+
+
+def test_no_api_key_in_any_log(server, capfd):
+    """Runs after the module's requests with the right and a wrong key: neither is in Ray's logs."""
+    from ray._private import worker
+
+    out, err = capfd.readouterr()
+    assert KEY not in out + err and WRONG_KEY not in out + err
+    logs = Path(worker._global_node.get_logs_dir_path())
+    files = [p for p in logs.rglob("*") if p.is_file()]
+    assert any("serve" in str(p) for p in files)  # the replicas' logs are there to search
+    for path in files:
+        data = path.read_bytes()
+        assert KEY.encode() not in data and WRONG_KEY.encode() not in data, path
 
 
 def test_status_endpoint_shows_the_index_and_healthz_only_liveness(server, index):
@@ -280,7 +361,7 @@ def test_graphless_index_serves_passage_only(world, tmp_path):
     Retriever.build(Corpus(list(world.corpus)[:12]), show_progress=False).save(path)
     modes = supported_modes(check_index(str(path)))
     assert modes == ["passage"]
-    api = HttpApi(None, ServeSettings(), modes)
+    api = AgentApi(None, ServeSettings(), modes)
     for bad in (["graph"], ["hybrid"], ["passage", "graph"]):
         with pytest.raises(ApiError, match="no knowledge graph") as e:
             api.check_modes(bad)
@@ -303,20 +384,6 @@ def test_graphless_index_serves_passage_only(world, tmp_path):
         app({"index": str(path), "batch": "4"})
 
 
-def test_healthz_is_liveness_and_status_is_off_by_default():
-    details = {"retrieval": {"index": "/srv/data/index"}}
-    api = HttpApi(None, ServeSettings(), ("passage",), status_fn=lambda: details)
-    assert api.handle("GET", "/healthz", None, b"") == (200, {"status": "ok"}, {})
-    status, body, _ = api.handle("GET", "/v1/status", None, b"")
-    assert status == 404 and body["error"]["code"] == "unknown_endpoint"
-    assert "GET /v1/status" not in body["error"]["message"]  # not listed among the available endpoints
-    on = HttpApi(None, ServeSettings(status_endpoint=True), ("passage",), status_fn=lambda: details)
-    status, body, _ = on.handle("GET", "/v1/status", None, b"")
-    assert status == 200 and body["retrieval"] == details["retrieval"] and body["requests"] == {"served": 0, "refused": 0}
-    assert on.handle("GET", "/healthz", None, b"")[1] == {"status": "ok"}
-    assert ServeSettings.from_dict({"status_endpoint": "true"}).status_endpoint is True
-
-
 def test_resource_needs_of_the_app_and_the_fit_check(index):
     from experiments.serve import (
         DeploymentNeed, ResourcesUnavailable, build_app, check_resources, deployment_needs, total_need)
@@ -337,6 +404,17 @@ def test_resource_needs_of_the_app_and_the_fit_check(index):
     with pytest.raises(ResourcesUnavailable, match="deployment PolicyServer needs 1 GPU per replica, but no node of "
                                                    r"the Ray cluster has that much \(the largest has 0\)"):
         check_resources(vllm, {"CPU": 16.0}, {"CPU": 16.0})
+    # replicas per deployment, fixed or autoscaling (counted with their minimum)
+    scaled = build_app({"index": index[0], "retrieval_replicas": "2", "ingress_replicas": 1, "ingress_max_replicas": 3,
+                        "max_episodes_in_flight": 16})
+    needs = {n.deployment: n for n in deployment_needs(scaled)}
+    assert needs["RetrievalServer"].replicas == 2 and needs["AgentServer"].replicas == 1
+    autoscaling = scaled._bound_deployment._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (1, 3, 8.0)
+    assert scaled._bound_deployment.max_ongoing_requests == 16 + 100  # refusals are answered, not queued
+    with pytest.raises(ValueError, match="policy_max_replicas \\(2\\) must be 0 \\(no autoscaling\\) or at least "
+                                         "policy_replicas \\(3\\)"):
+        build_app({"index": index[0], "policy_replicas": 3, "policy_max_replicas": 2})
     two = [DeploymentNeed("Wide", 2, {"CPU": 2.0})]
     with pytest.raises(ResourcesUnavailable, match=r"Wide needs 4 CPU \(2 per replica x 2\), but .* has 3 CPU free\. "):
         check_resources(two, {"CPU": 3.0}, {"CPU": 2.0})
@@ -400,6 +478,39 @@ def test_config_from_args_and_environment():
         load_config({"index": "idx", "max_batchsize": 4}, env={})
     with pytest.raises(ValueError, match="max_turn_tokens"):
         ServeSettings.from_dict({"max_turn_tokens": "many"})
+    with pytest.raises(ValueError, match="never taken as an argument") as e:
+        load_config({"index": "idx", "api_key": "sk-" + "s3cr3t" * 4}, env={})
+    assert "s3cr3t" not in str(e.value)
+
+
+def test_api_keys_come_from_the_environment_or_a_file(tmp_path):
+    from experiments.serve import read_api_keys
+
+    assert read_api_keys(None, env={}) == []
+    key_file = tmp_path / "keys"
+    key_file.write_text("# rotated monthly\n\nfirst-key-abcdefghijkl\n  second-key-abcdefghijkl  \n")
+    env = {"RAGGYM_SERVE_API_KEY": "env-key-abcdefghijklmnop"}
+    assert read_api_keys(str(key_file), env) == ["env-key-abcdefghijklmnop", "first-key-abcdefghijkl",
+                                                 "second-key-abcdefghijkl"]
+    key_file.write_text("short-s3cr3t\n")
+    with pytest.raises(ValueError, match=r"keys, line 1 must be at least 16 characters") as e:
+        read_api_keys(str(key_file), {})
+    assert "s3cr3t" not in str(e.value)
+    key_file.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        read_api_keys(str(key_file), {})
+    with pytest.raises(FileNotFoundError, match="API key file not found"):
+        read_api_keys(str(tmp_path / "none"), {})
+
+
+def test_cli_refuses_a_key_on_the_command_line(tmp_path, capsys):
+    from experiments.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--index", str(tmp_path), "--api-key", "sk-" + "s3cr3t" * 4])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--api-key is not accepted" in err and "RAGGYM_SERVE_API_KEY" in err
+    assert "s3cr3t" not in err
 
 
 def test_merging_runner_merges_waiting_batches_up_to_max_size():
@@ -423,42 +534,3 @@ def test_merging_runner_merges_waiting_batches_up_to_max_size():
     assert stats["calls"] == 11 and stats["batch_sizes"] == {"1": 1, "2": 1, "4": 2}  # 1, then 4 + 4 + 2
     _, _, stats = asyncio.run(go(1))
     assert stats["batches"] == 11 and stats["max_batch_size"] == 1
-
-
-# ----------------------------------------------------------------------------- parser properties
-
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
-                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
-                     max_leaves=12)
-_answer_body = st.fixed_dictionaries({}, optional={
-    "question": st.one_of(st.text(max_size=40), _json), "max_turns": st.one_of(st.integers(-3, 12), _json),
-    "modes": st.one_of(st.lists(st.sampled_from(["passage", "graph", "hybrid", "web", ""]), max_size=4), _json),
-    "extra": _json})
-
-
-@settings(max_examples=300, deadline=None)
-@given(_answer_body)
-def test_answer_parser_accepts_only_valid_requests(body):
-    api = HttpApi(None, ServeSettings(max_turns_limit=8), ("passage", "graph", "hybrid"))
-    try:
-        req = api.parse_answer(body)
-    except ApiError as e:
-        assert 400 <= e.status < 500 and e.payload()["error"]["message"]
-        return
-    assert isinstance(req.question, str) and req.question.strip() == req.question and req.question
-    assert 1 <= req.max_turns <= 8
-    assert req.modes is None or (req.modes and set(req.modes) <= {"passage", "graph", "hybrid"})
-    assert "extra" not in body
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=200) | _json.map(lambda v: json.dumps(v).encode()),
-       st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain", None]))
-def test_json_reader_never_crashes(body, ctype):
-    api = HttpApi(None, ServeSettings(max_body_bytes=100), ("passage",))
-    try:
-        out = api.read_json(ctype, body)
-    except ApiError as e:
-        assert e.status in (400, 413, 415)
-        return
-    assert isinstance(out, dict) and ctype and ctype.startswith("application/json") and len(body) <= 100

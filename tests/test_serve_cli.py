@@ -1,8 +1,9 @@
 """``raggym serve`` started the way the README starts it, as its own process (issue #20).
 
 The command gets a run directory and an index, and no ``--num-cpus``: its private Ray has the
-machine's real CPU count (2 in CI), which once left the ingress unscheduled forever. The test
-waits for ``/healthz``, answers one question, sends SIGTERM (what process managers send) and
+machine's real CPU count (2 in CI), which once left the ingress unscheduled forever. An API key
+comes from ``RAGGYM_SERVE_API_KEY`` (issue #17). The test waits for ``/healthz`` (open without
+the key), is refused without the key, answers one question with it, sends SIGTERM (what process managers send) and
 checks that every process of the server's tree, Ray's included, is gone within a bound. A second
 test asks for fewer CPUs than the app reserves and expects a quick exit naming the deployment.
 """
@@ -43,8 +44,11 @@ def _raggym_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "experiments.cli"]
 
 
+API_KEY = "cli-test-" + "Hq3vN" * 6
+
+
 def _server_env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAGGYM_SERVE_API_KEY=API_KEY)
     env.pop("RAY_ADDRESS", None)  # the README command runs on its own private Ray
     return env
 
@@ -137,9 +141,21 @@ def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(run_dir
             assert private not in body
         assert not re.search(r'"/|[A-Za-z]:\\\\', body), body  # no absolute path of any kind
         status, body = _get(f"{url}/v1/status")
-        assert status == 404 and "unknown_endpoint" in body  # the detailed status is off unless asked for
+        assert status == 401 and "missing_api_key" in body  # everything but /healthz needs the key
+        status, body = _get(f"{url}/docs")
+        assert status == 200 and "swagger" in body.lower()
 
-        request = urllib.request.Request(f"{url}/v1/answer", method="POST", headers={"Content-Type": "application/json"},
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}))
+        assert refused.value.code == 401
+        status_request = urllib.request.Request(f"{url}/v1/status", headers=auth)
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(status_request)
+        assert missing.value.code == 404 and "unknown_endpoint" in missing.value.read().decode()  # off unless asked
+
+        request = urllib.request.Request(f"{url}/v1/answer", method="POST",
+                                         headers={"Content-Type": "application/json", **auth},
                                          data=json.dumps({"question": world.questions[0].question, "max_turns": 1}).encode())
         with urllib.request.urlopen(request, timeout=300) as r:
             answer = json.loads(r.read())
@@ -161,6 +177,7 @@ def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(run_dir
                            f"{log.read_text()[-3000:]}")
         assert proc.wait(timeout=5) == 0
         assert "raggym serve: stopping (SIGTERM)" in log.read_text()
+        assert "API keys: on" in log.read_text() and API_KEY not in log.read_text()
     finally:  # a failed test must not leave a Ray behind on the machine
         if proc.poll() is None and not tree:
             tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)

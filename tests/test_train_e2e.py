@@ -1,9 +1,16 @@
 """End to end on local Ray (CPU): GRPO steps with SmolLM2-135M, 2 HF rollout workers, a learner
-group of 2 (ZeRO-2, gloo) and the synthetic-world retrieval service; checkpoint, kill, resume as
+group of 2 (ZeRO-2, gloo) and the synthetic-world retrieval service; real kills and a resume as
 a Ray job submitted to a `ray start --head` cluster with token auth on.
 
-One cluster serves the module (started here, stopped here). Runs: A = 2 uninterrupted steps
-(in-process driver); B = 1 step, then resumed to 2 steps by `ray job submit`.
+The config is ``cpu_tiny.yaml`` with two changes that give the runs a learning signal to check:
+weight decay 0 (so parameters move only if the policy gradient is non-zero) and the test reward
+``shorter_transcript`` of ``tests/e2e_trainer.py`` (registered through the public reward
+registry; the untrained SmolLM2 earns 0 under every built-in reward). The trainer runs as its own
+process through that file, and as a Ray job.
+
+One cluster serves the module (started here, stopped here). Runs: A = 2 uninterrupted steps;
+B = the same run SIGKILLed right after its step-1 checkpoint is committed, restarted and SIGKILLed
+again in the middle of saving step 2, then resumed to step 2 by `ray job submit`.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,15 +28,31 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-# Heavy end-to-end module (a Ray cluster with token auth, GRPO runs, a kill and a resume as a Ray job): `make test-integration`.
+# Heavy end-to-end module (a Ray cluster with token auth, GRPO runs, kills and a resume as a Ray job): `make test-integration`.
 pytestmark = pytest.mark.integration
 
-pytest.importorskip("ray")
-pytest.importorskip("deepspeed")
+import deepspeed  # noqa: E402,F401  (the learner group needs it; fail loudly when it is missing)
+import ray  # noqa: E402,F401
+
+from experiments.training import HOLD_CHECKPOINT_ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "experiments" / "configs" / "cpu_tiny.yaml"
+BASE_CONFIG = REPO / "experiments" / "configs" / "cpu_tiny.yaml"
+TRAINER = "tests/e2e_trainer.py"  # relative to the repository: the Ray job's working dir is a copy of it
+REWARD_METHOD = "shorter_transcript"
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    cfg = yaml.safe_load(BASE_CONFIG.read_text(encoding="utf-8"))
+    cfg["method"] = REWARD_METHOD
+    cfg["reward"] = {"method": REWARD_METHOD}
+    cfg["learner"].setdefault("optimizer", {})["weight_decay"] = 0.0
+    path = tmp_path_factory.mktemp("config") / "e2e.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
 
 
 def _free_port() -> int:
@@ -64,14 +88,38 @@ def cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _train(out_dir: Path, address: str, steps: int, env: dict) -> dict:
-    """The trainer as its own driver process against the cluster (a real process we can end)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.train", "--config", str(CONFIG), "--json", f"run.out_dir={out_dir}",
-         f"run.steps={steps}", "run.dump_trajectories=true", f"ray.address={address}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+def _trainer_args(config: Path, out_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [TRAINER, "--config", str(config), "--json", f"run.out_dir={out_dir}", f"run.steps={steps}",
+            "run.dump_trajectories=true", *extra]
+
+
+def _train(config: Path, out_dir: Path, address: str, steps: int, env: dict) -> dict:
+    """The trainer as its own driver process against the cluster, run to the end."""
+    proc = subprocess.run([sys.executable, *_trainer_args(config, out_dir, steps, f"ray.address={address}")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _train_until(config: Path, out_dir: Path, address: str, env: dict, log: Path, ready, what: str) -> str:
+    """Start the trainer (2 steps), SIGKILL it as soon as ``ready()`` holds; returns its output."""
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, *_trainer_args(config, out_dir, 2, f"ray.address={address}")],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the trainer {'exited' if proc.poll() is not None else 'ran too long'} "
+                                     f"before {what}:\n{log.read_text()[-5000:]}")
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # no cleanup of any kind runs in the trainer
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    return log.read_text()
 
 
 def _read(path: Path) -> list[dict]:
@@ -87,22 +135,35 @@ def _policy_tensors(ckpt: Path) -> dict:
     return out
 
 
+def _response_logprobs(model, row: dict) -> float:
+    """Sum of the log-probabilities of a trajectory's model tokens (loss mask 1) under ``model``."""
+    import torch
+
+    ids = torch.tensor([row["token_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    taken = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return float(taken[torch.tensor(row["loss_mask"][1:], dtype=torch.bool)].sum())
+
+
 @pytest.fixture(scope="module")
-def run_a(cluster, tmp_path_factory):
+def run_a(cluster, config_file, tmp_path_factory):
     address, _, env = cluster
     out = tmp_path_factory.mktemp("runA")
-    return out, _train(out, address, 2, env)
+    return out, _train(config_file, out, address, 2, env)
 
 
-def test_two_grpo_steps_update_the_policy(run_a, small_world):
+def test_two_grpo_steps_with_a_learning_signal_update_the_policy(run_a):
     out, last = run_a
     from raggym.models import converted_checkpoint, resolve_model_spec
     from safetensors.numpy import load_file
 
     metrics = _read(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
-    assert [m["stage"] for m in metrics] == ["stage1", "stage2"]
-    # parameters changed: the step-2 policy differs from the initial SmolLM2 weights
+    for m in metrics:  # the groups' rewards differ, so the step has a direction and a size
+        assert m["reward_std"] > 0 and m["advantage_abs_mean"] > 0
+        assert np.isfinite(m["learner/grad_norm"]) and m["learner/grad_norm"] > 0
+    # with weight decay 0, parameters change only through the policy gradient
     initial = load_file(str(converted_checkpoint(resolve_model_spec("smollm2-135m")) / "model.safetensors"))
     trained = _policy_tensors(out / "checkpoints" / "step-000002")
     common = [k for k in trained if k in initial]
@@ -113,6 +174,23 @@ def test_two_grpo_steps_update_the_policy(run_a, small_world):
     assert (out / "tb").is_dir() and any((out / "tb").iterdir())
 
 
+def test_the_step_raises_the_rewarded_samples_log_probability(run_a):
+    """After step 1, every sample with a positive advantage (the shorter transcript of its group)
+    is more likely under the new policy, and every sample with a negative advantage less likely."""
+    out, _ = run_a
+    from raggym.models import load_policy
+
+    rows = _read(out / "trajectories" / "step-000001.jsonl")
+    before, _ = load_policy("smollm2-135m")
+    after, _ = load_policy(str(out / "checkpoints" / "step-000001" / "policy"))
+    change = [_response_logprobs(after, r) - _response_logprobs(before, r) for r in rows]
+    signs = [np.sign(r["advantage"]) for r in rows]
+    assert 1 in signs and -1 in signs, [r["advantage"] for r in rows]
+    for sign, delta, row in zip(signs, change, rows):
+        if sign != 0:
+            assert np.sign(delta) == sign, (row["advantage"], delta)
+
+
 def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
     out, _ = run_a
     import torch
@@ -121,10 +199,8 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
     from raggym.algorithms.spans import SpanLabel
     from raggym.models import load_policy_tokenizer
     from raggym.rewards import EpisodeOutcome
-    from raggym.rewards.schedules import reward_schedule_from_config
 
     tok = load_policy_tokenizer("smollm2-135m")
-    schedule = reward_schedule_from_config({"method": "routerag", "stage2_start": 1, "time_source": "cost"})
     for step in (1, 2):
         rows = _read(out / "trajectories" / f"step-{step:06d}.jsonl")
         assert len(rows) == 4  # 2 prompts x G=2
@@ -149,7 +225,7 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
             assert sum(mask) <= 32
         outcomes = [EpisodeOutcome.from_dict(t["outcome"]) for t in rows]
         assert outcomes == [EpisodeOutcome.from_dict(t["episode"]) for t in rows]  # the record and its outcome agree
-        rewards = schedule(step - 1)(outcomes)
+        rewards = [-len(o.response_text) / 100.0 for o in outcomes]  # shorter_transcript (tests/e2e_trainer.py)
         np.testing.assert_allclose([t["reward"] for t in rows], rewards, atol=1e-9)
         adv = grpo_advantages(torch.tensor(rewards, dtype=torch.float32), [t["prompt_id"] for t in rows])
         np.testing.assert_allclose([t["advantage"] for t in rows], adv.numpy(), atol=1e-6)
@@ -167,24 +243,38 @@ def _submit(dashboard: str, env: dict, args: list[str]) -> subprocess.CompletedP
         time.sleep(5)
 
 
-def test_killed_run_resumes_as_a_ray_job_and_matches_uninterrupted(run_a, cluster, tmp_path_factory):
-    """Run B is what a trainer killed right after step 1 leaves on disk (its config, its index and its
-    step-1 checkpoint, copied from run A, which wrote exactly that at step 1). Resuming it as a Ray
-    job must reproduce run A's step-2 batch and parameters."""
+def test_killed_runs_resume_from_the_last_committed_checkpoint_as_a_ray_job(run_a, cluster, config_file, tmp_path_factory):
+    """Run B: SIGKILL right after step 1's checkpoint is committed; restart, SIGKILL in the middle
+    of saving step 2 (all its files written, not committed); resume as a Ray job. The job must
+    start from step 1 and reproduce run A's step-2 batch and parameters."""
     out_a, _ = run_a
     address, dashboard, env = cluster
     out_b = tmp_path_factory.mktemp("runB")
-    shutil.copytree(out_a / "index", out_b / "index")
-    shutil.copytree(out_a / "checkpoints" / "step-000001", out_b / "checkpoints" / "step-000001")
-    job = _submit(dashboard, env, ["python", "-m", "experiments.train", "--config", "experiments/configs/cpu_tiny.yaml",
-                                   f"run.out_dir={out_b}", "run.steps=2", "run.dump_trajectories=true"])
+    ckpts = out_b / "checkpoints"
+
+    _train_until(config_file, out_b, address, env, out_b / "first.log", lambda: (ckpts / "step-000001").is_dir(),
+                 "the step-1 checkpoint")
+    assert (ckpts / "step-000001" / "trainer_state.json").exists() and not (ckpts / "step-000002").exists()
+
+    log = out_b / "second.log"
+    held = _train_until(config_file, out_b, address, {**env, HOLD_CHECKPOINT_ENV: "2"}, log,
+                        lambda: "holding checkpoint" in log.read_text(), "the step-2 save")
+    assert "at step 1" in held  # the restarted trainer resumed from step 1 ...
+    half = ckpts / ".tmp-step-000002"  # ... and was killed with step 2 written but not committed
+    assert (half / "trainer_state.json").exists() and any((half / "policy").glob("*.safetensors"))
+    assert not (ckpts / "step-000002").exists()
+
+    job = _submit(dashboard, env, ["python", *_trainer_args(config_file, out_b, 2)])
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert "resumed from" in job.stdout and "at step 1" in job.stdout
-    assert [m["step"] for m in _read(out_b / "metrics.jsonl")] == [2]
+    assert f"resumed from {ckpts / 'step-000001'} at step 1" in job.stdout
+    # the second process logged step 2 before its save was killed; the job, resuming from step 1,
+    # rewinds the logs to that checkpoint, so step 2 appears once (the job's)
+    assert [m["step"] for m in _read(out_b / "metrics.jsonl")] == [1, 2]
+    assert not half.exists()  # the job's own save replaced the half-written one
     # the step-2 batch and the step-2 parameters equal the uninterrupted run's
     a2, b2 = _read(out_a / "trajectories" / "step-000002.jsonl"), _read(out_b / "trajectories" / "step-000002.jsonl")
     assert [t["token_ids"] for t in a2] == [t["token_ids"] for t in b2]
-    pa, pb = _policy_tensors(out_a / "checkpoints" / "step-000002"), _policy_tensors(out_b / "checkpoints" / "step-000002")
+    pa, pb = _policy_tensors(out_a / "checkpoints" / "step-000002"), _policy_tensors(ckpts / "step-000002")
     assert pa.keys() == pb.keys()
     for k in pa:
         np.testing.assert_allclose(pa[k], pb[k], rtol=0, atol=1e-6)

@@ -3,6 +3,8 @@ requests, outcome round trips, evaluation records, step metrics."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -89,3 +91,19 @@ def test_step_metrics_by_hand():
     assert m["em"] == 0.5 and m["answered"] == 0.5 and m["retrievals_mean"] == 1.0
     assert m["reward_mean"] == 0.5 and m["env_reward_mean"] == 0.5 and m["advantage_abs_mean"] == pytest.approx(0.7)
     assert m["response_tokens_mean"] == 1.5 and m["sequence_tokens_mean"] == 2.5
+
+
+def test_a_resumed_run_rewinds_its_step_logs_to_the_checkpoint(tmp_path):
+    from raggym.learning_log import MetricsLogger
+
+    logger = MetricsLogger(tmp_path)
+    for step in (1, 2, 3):
+        logger.log({"step": step, "reward_mean": step / 10})
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval/em": 0.5}) + "\n" for s in (2, 3)))
+    assert logger.rewind(2) == 2  # step 3's metrics line and its eval line
+    logger.log({"step": 3, "reward_mean": 0.9})
+    logger.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["reward_mean"] == 0.9
+    assert [json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == [2]

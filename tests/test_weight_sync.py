@@ -100,7 +100,8 @@ def learner_config(**overrides) -> LearnerConfig:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         Worker = RolloutWorker.as_remote(num_cpus=1)

@@ -3,13 +3,20 @@
 * ``SamplingParams``, ``GenerationResult``, ``GenerationEngine`` (the protocol) — ``base``;
 * ``HFEngine`` — transformers, CPU or GPU — ``hf``;
 * ``VLLMEngine`` — vLLM, GPU only, imported lazily — ``vllm_engine``;
-* ``RolloutWorker`` — the Ray actor holding either — ``rollout_worker``.
+* ``ScriptedEngine`` — plays a fixed script of segments (registered as ``"scripted"``), for
+  testing environments and the runtime — ``scripted``;
+* ``RolloutWorker`` — the Ray actor holding any of them — ``rollout_worker``.
 """
 
 from actors.engines.base import GenerationEngine, GenerationResult, SamplingParams, derive_seed
 from actors.engines.hf import HFEngine, process_logits
-from actors.engines.rollout_worker import RolloutWorker, make_engine, register_engine
+from actors.engines.rollout_worker import ENGINE_FACTORIES, RolloutWorker, make_engine, register_engine
+from actors.engines.scripted import ScriptedEngine
 from actors.engines.vllm_engine import VLLMEngine, VLLMUnavailableError, vllm_available
+
+# Importing the package (as every Ray actor holding a RolloutWorker does) registers it.
+if "scripted" not in ENGINE_FACTORIES:
+    register_engine("scripted", ScriptedEngine)
 
 __all__ = [
     "GenerationEngine",
@@ -17,6 +24,7 @@ __all__ = [
     "HFEngine",
     "RolloutWorker",
     "SamplingParams",
+    "ScriptedEngine",
     "VLLMEngine",
     "VLLMUnavailableError",
     "derive_seed",

@@ -11,6 +11,12 @@ GRPO (Shao et al., 2024, DeepSeekMath §4.1.2, outcome supervision)::
 where ``g(i)`` is the group of rollouts that share ``i``'s prompt id. A group whose rewards are
 all equal (including a group of one) carries no preference and gets advantage exactly 0.
 
+Groups of one differ between implementations: verl's ``compute_grpo_outcome_advantage`` gives a
+singleton group mean 0 and std 1, so its advantage is ``r_i / (1 + ε)`` (``r_i`` without the std
+division), a raw reward with no baseline. raggym's default (``singleton_group="zero"``) gives it
+advantage 0, since a group of one compares the rollout with nothing; ``singleton_group="verl"``
+reproduces verl. Equal-reward groups of two or more get 0 under both rules.
+
 * ``normalize_by_std=False`` is Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like
   Training: A Critical Perspective", arXiv:2503.20783): ``Â_i = r_i − mean_g r``; dividing by
   the group std over-weights prompts that are nearly always solved or nearly always failed.
@@ -41,11 +47,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Literal, Sequence
 
 import torch
 
 GroupIds = Sequence[Hashable] | torch.Tensor
+SingletonGroupRule = Literal["zero", "verl"]
+SINGLETON_GROUP_RULES: tuple[str, ...] = ("zero", "verl")
 
 
 class Route(IntEnum):
@@ -87,7 +95,7 @@ def _check_rewards(rewards: torch.Tensor, n: int) -> None:
 
 
 def _group_stats(rewards: torch.Tensor, index: torch.Tensor, n_groups: int, unbiased: bool):
-    """Per-sample group mean, std and an 'all rewards equal' flag, computed in float64."""
+    """Per-sample group mean, std, an 'all rewards equal' flag and the group size, in float64."""
     r = rewards.to(torch.float64)
     index = index.to(r.device)
     count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(
@@ -101,7 +109,7 @@ def _group_stats(rewards: torch.Tensor, index: torch.Tensor, n_groups: int, unbi
     g_max = torch.full_like(count, -torch.inf).scatter_reduce(0, index, r, reduce="amax")
     g_min = torch.full_like(count, torch.inf).scatter_reduce(0, index, r, reduce="amin")
     uniform = g_max == g_min
-    return mean[index], std[index], uniform[index]
+    return mean[index], std[index], uniform[index], count[index]
 
 
 def grpo_advantages(
@@ -111,17 +119,25 @@ def grpo_advantages(
     eps: float = 1e-6,
     normalize_by_std: bool = True,
     unbiased_std: bool = True,
+    singleton_group: SingletonGroupRule = "zero",
 ) -> torch.Tensor:
     """Group-relative advantages ``[batch]`` from scalar rewards ``[batch]``.
 
     ``group_ids`` holds one key per rollout (the prompt id). See the module docstring for the
-    Dr.GRPO and std options.
+    Dr.GRPO and std options and for ``singleton_group`` (``"zero"`` or verl's ``"verl"``).
     """
+    if singleton_group not in SINGLETON_GROUP_RULES:
+        raise ValueError(f"singleton_group must be one of {', '.join(SINGLETON_GROUP_RULES)}, got {singleton_group!r}")
     index, n_groups = group_index(group_ids)
     _check_rewards(rewards, index.shape[0])
     if rewards.shape[0] == 0:
         return rewards.clone().float()
-    mean, std, uniform = _group_stats(rewards, index, n_groups, unbiased_std)
+    mean, std, uniform, count = _group_stats(rewards, index, n_groups, unbiased_std)
+    if singleton_group == "verl":
+        single = count == 1
+        mean = torch.where(single, torch.zeros_like(mean), mean)  # verl: a group of one has mean 0 …
+        std = torch.where(single, torch.ones_like(std), std)  # … and std 1
+        uniform = uniform & ~single
     centred = rewards.to(torch.float64) - mean  # r_i − mean_g(r)
     if normalize_by_std:
         advantages = centred / (std + eps)  # (r_i − mean_g r) / (std_g r + ε)
@@ -208,7 +224,7 @@ def dynamic_sampling_filter(rewards: torch.Tensor, group_ids: GroupIds) -> Dynam
     _check_rewards(rewards, index.shape[0])
     if rewards.shape[0] == 0:
         return DynamicSamplingResult(torch.zeros(0, dtype=torch.bool), 0, 0, 0)
-    _, _, uniform = _group_stats(rewards, index, n_groups, unbiased=True)
+    _, _, uniform, _ = _group_stats(rewards, index, n_groups, unbiased=True)
     keep = ~uniform
     dropped_groups = int(torch.unique(index[uniform]).numel())
     return DynamicSamplingResult(
@@ -240,7 +256,7 @@ class AdvantageOutput:
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., AdvantageOutput]] = {}
-_GRPO_OPTIONS = ("eps", "normalize_by_std", "unbiased_std")
+_GRPO_OPTIONS = ("eps", "normalize_by_std", "unbiased_std", "singleton_group")
 
 
 def register_advantage_estimator(name: str, *, replace: bool = False):

@@ -111,3 +111,18 @@ def teacher_fields(rollouts: Sequence, tokenizer, max_evidence_tokens: int) -> T
     return {"teacher_token_ids": ids, "teacher_attention_mask": attn, "teacher_positions": pos,
             "teacher_kl_mask": _pad_rows(masks, n, student, torch.float32),
             "evidence_overlap": torch.tensor([r.outcome.evidence_overlap for r in rollouts], dtype=torch.float32)}
+
+
+def teacher_kl_span(batch: TrainBatch) -> torch.Tensor:
+    """``[N, T]`` float: positions PathRouter's teacher KL covers (think/query tokens that are
+    trained and have a teacher counterpart)."""
+    trained = batch["loss_mask"].float().clone()
+    trained[:, 0] = 0  # nothing predicts the first token
+    return batch["teacher_kl_mask"].float() * (batch["teacher_positions"] > 0).float() * trained.gt(0).float()
+
+
+def teacher_kl_eligible(batch: TrainBatch, evidence_threshold: float) -> torch.Tensor:
+    """``[N]`` float: 1 for the trajectories in PathRouter's teacher-KL mean (EO < θ_P and at least
+    one covered position), the set ``I_low`` the mean is normalised by."""
+    low = batch["evidence_overlap"].float() < evidence_threshold  # EO < θ_P
+    return (low & (teacher_kl_span(batch).sum(-1) > 0)).float()

@@ -4,6 +4,7 @@ KL Divergence", 2020), as used by GRPO's KL term and by KL reward penalties.
 With tokens sampled from the policy π and ``log_ratio = log π(y_t) − log π_ref(y_t)``:
 
     k1 = log_ratio                                   unbiased, high variance, can be negative
+    abs = |log_ratio|                                biased, ≥ 0 (verl's ``abs``)
     k2 = ½ · log_ratio²                              biased, low variance, ≥ 0
     k3 = exp(−log_ratio) − 1 + log_ratio             unbiased, low variance, ≥ 0
        = π_ref/π − log(π_ref/π) − 1                 ("low_var_kl"; GRPO, DeepSeekMath eq. 4)
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-_ALIASES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+_ALIASES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 
 
 def canonical_kl_kind(kind: str) -> str:
@@ -43,6 +44,8 @@ def kl_estimate(
     log_ratio = log_probs - ref_log_probs  # log π − log π_ref
     if kind == "k1":
         return log_ratio  # k1 = log(π/π_ref)
+    if kind == "abs":
+        return log_ratio.abs()  # |log(π/π_ref)|
     if kind == "k2":
         return 0.5 * log_ratio.square()  # k2 = ½ log²(π/π_ref)
     x = (-log_ratio).clamp(min=-20.0, max=20.0)  # x = log(π_ref/π)

@@ -13,6 +13,13 @@ Clipped surrogate (PPO, Schulman et al., 2017, eq. 7; DAPO, Yu et al., 2025, arX
     ρ_t   = exp(log π_θ(y_t) − log π_old(y_t))
     L_t   = max(−Â_t · ρ_t,  −Â_t · clip(ρ_t, 1 − ε_low, 1 + ε_high))
 
+Dual clip (Ye et al., 2020, "Mastering Complex Control in MOBA Games with Deep RL",
+arXiv:1912.09729; verl's ``clip_ratio_c``; off unless ``dual_clip=True``): when Â_t < 0
+and ρ_t is large, the pessimistic bound above grows without limit (−Â_t · ρ_t); the dual clip caps
+it at −Â_t · c (c > 1, verl's default 3)::
+
+    L_t   = min(L_t, −Â_t · c)   if Â_t < 0,   else L_t
+
 Aggregation over tokens (``aggregation``):
 
 * ``"token-mean"`` — Σ_{i,t} L·m / Σ_{i,t} m. DAPO §3.3 (token-level loss): every token counts the
@@ -51,6 +58,7 @@ from raggym.algorithms.kl import kl_estimate
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+DUAL_CLIP_RATIO_C = 3.0  # verl's default c of the dual clip
 
 
 def _check_token_shapes(*tensors: torch.Tensor) -> None:
@@ -133,24 +141,35 @@ def clipped_policy_loss(
     clip_high: float | None = None,
     aggregation: LossAggregation = "token-mean",
     token_sum_norm: float | None = None,
+    dual_clip: bool = False,
+    clip_ratio_c: float = DUAL_CLIP_RATIO_C,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped policy-gradient loss with PPO's ε or DAPO's (ε_low, ε_high).
 
     ``advantages`` may be ``[batch]`` (broadcast over tokens) or ``[batch, seq]``.
     ``clip_high=None`` means symmetric clipping (``clip_high = clip_low``); DAPO uses 0.2 / 0.28.
+    ``dual_clip=True`` caps the loss of negative-advantage tokens at −Â·``clip_ratio_c`` (c > 1;
+    3.0 as in verl); off by default.
 
     Returns ``(loss, stats)``; ``stats`` holds detached scalars ``clip_fraction`` (share of masked
     tokens where the clipped branch was active), ``approx_kl`` (mean of log π_old − log π_θ) and
-    ``ratio_mean``.
+    ``ratio_mean``; with the dual clip also ``clip_fraction_lower`` (share of masked tokens with
+    Â < 0 where the −Â·c cap was active).
     """
     if clip_high is None:
         clip_high = clip_low
+    if dual_clip and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (the dual-clip bound) must be greater than 1, got {clip_ratio_c}")
     adv = _token_advantages(advantages, log_probs)
     _check_token_shapes(log_probs, old_log_probs, adv, mask)
     ratio = importance_ratio(log_probs, old_log_probs)  # ρ_t
     unclipped = -adv * ratio  # −Â ρ
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # −Â clip(ρ, 1−ε_low, 1+ε_high)
     per_token = torch.maximum(unclipped, clipped)  # pessimistic bound
+    if dual_clip:
+        cap = -adv * clip_ratio_c  # −Â·c
+        capped = (adv < 0) & (per_token > cap)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)  # Â < 0: min(L, −Â·c)
     loss = aggregate_loss(per_token, mask, aggregation, token_sum_norm)
     with torch.no_grad():
         stats = {
@@ -158,6 +177,8 @@ def clipped_policy_loss(
             "approx_kl": masked_mean(old_log_probs - log_probs, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
+        if dual_clip:
+            stats["clip_fraction_lower"] = masked_mean(capped.to(log_probs.dtype), mask)
     return loss, stats
 
 

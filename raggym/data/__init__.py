@@ -3,6 +3,7 @@
 docs/data.md lists every file layout read and written.
 """
 
+from .golden import GoldenTrajectoryError, golden_trajectory_for, with_golden_trajectories
 from .loaders import (
     CORPUS_FORMATS,
     DataFormatError,
@@ -23,6 +24,7 @@ __all__ = [
     "CORPUS_FORMATS",
     "Corpus",
     "DataFormatError",
+    "GoldenTrajectoryError",
     "Passage",
     "QUESTION_FORMATS",
     "QUESTION_MARKER",
@@ -31,10 +33,12 @@ __all__ = [
     "atomic_write",
     "detect_corpus_format",
     "detect_question_format",
+    "golden_trajectory_for",
     "load_corpus",
     "load_questions",
     "passage_id_for",
     "question_from_prompt",
+    "with_golden_trajectories",
     "write_corpus",
     "write_jsonl",
     "write_questions",

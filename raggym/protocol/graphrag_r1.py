@@ -9,7 +9,8 @@ close in a later one, the segment grammar treats ``<think>`` tags as markers (``
 still checks them across the whole trajectory).
 
 Observations mix the retriever's top facts, one ``(subject relation object)`` line each, with
-passages, and the body is capped at 1024 characters as in the paper.
+passages. The body is capped at 1,024 characters: that cap is raggym's choice (it keeps the
+documents within the rollout's observation budget), not a value the paper states.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Sequence
 from raggym.protocol.action import ANSWER, SEARCH
 from raggym.protocol.base import Dialect
 
-OBSERVATION_BODY_CHARS = 1024
+OBSERVATION_BODY_CHARS = 1024  # raggym's choice; the paper gives no character cap
 MAX_FACTS = 5
 
 

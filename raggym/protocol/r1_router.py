@@ -5,7 +5,8 @@ R1-Router calls the model once per step, each time with a fresh prompt:
 
 * a routing step answers with ``<think>…</think><sub-question>…</sub-question><ret>KB</ret>``,
   where KB names one of the configured knowledge bases; ``<sub-question>None</sub-question>``
-  together with ``<ret>None</ret>`` means no more retrieval is needed;
+  means no more retrieval is needed (the paper's stop condition; whatever ``<ret>`` then holds is
+  ignored, and the prompt asks for ``<ret>None</ret>``);
 * an answer step (the intermediate answer to a sub-question from that step's documents, or the
   final answer) is ``<think>…</think><answer>…</answer>``.
 
@@ -72,12 +73,12 @@ class R1RouterDialect(Dialect):
             return invalid(f"sub-question longer than {self.max_query_chars} characters", reasoning)
         sub_question = clean_inline(blocks[0].content)
         kb_text = clean_inline(blocks[1].content[:200])
-        sub_is_stop = sub_question.lower() == STOP_WORD.lower()
-        kb_is_stop = kb_text.lower() == STOP_WORD.lower()
-        if sub_is_stop or kb_is_stop:
-            if sub_is_stop and kb_is_stop:
-                return Action(kind=ROUTE, reasoning=reasoning, well_formed=well_formed)
-            return invalid("a sub-question of None needs <ret>None</ret>, and only then", reasoning)
+        # The paper stops when the sub-question is None; the <ret> field then does not matter.
+        if sub_question.lower() == STOP_WORD.lower():
+            return Action(kind=ROUTE, reasoning=reasoning, well_formed=well_formed)
+        if kb_text.lower() == STOP_WORD.lower():
+            return invalid("<ret>None</ret> needs a None sub-question: a real sub-question needs a knowledge base",
+                           reasoning)
         if not sub_question:
             return invalid("empty sub-question", reasoning)
         kb = self._kb_by_key.get(kb_text.lower())

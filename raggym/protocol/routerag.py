@@ -68,13 +68,14 @@ class RouteRAGDialect(Dialect):
         """The task prompt; ``modes`` restricts the retrieval modes it describes (ablations, serving)."""
         budget = f" You may search at most {max_searches} times." if max_searches else ""
         if modes is None or set(modes) == set(self.modes):
+            # Like the paper's prompt (Table 6), the modes are told apart only by how they find
+            # documents: which one pays off is for the efficiency reward to teach, not the prompt.
             how = (
-                "<search>, then a retrieval mode, then your query, then </search>. The modes are "
-                "[passage], which looks up text passages and is cheap; [graph], which follows a "
-                "knowledge graph of entities and their relations and helps to connect facts from "
-                "different documents, at a higher cost; and [graph][passage], which uses both and "
-                "merges their results. For example: <search> [graph] who directed the film "
-                "Inception </search>."
+                "<search>, then a retrieval mode, then your query, then </search>. Every mode "
+                "returns documents, each by its own method: [passage] matches your query against "
+                "text passages, [graph] goes through a knowledge graph of entities and their "
+                "relations, and [graph][passage] runs both and merges what they find. For "
+                "example: <search> [graph] who directed the film Inception </search>."
             )
         else:
             unknown = [m for m in modes if m not in self.modes]
@@ -89,11 +90,12 @@ class RouteRAGDialect(Dialect):
                 f"({listed}; no other mode is available). For example: <search> {tags[0]} who directed "
                 "the film Inception </search>."
             )
+        often = "" if max_searches else " You may search as many times as you like."
         return (
             "Answer the question below, working in turns. Begin every turn by reasoning inside "
             "<think> and </think>. If you are missing a fact, run one search in that turn: write "
             f"{how} The results arrive between <information> and </information>."
-            f"{budget} Once you know the answer, give it inside <answer> and </answer> as a short "
+            f"{often}{budget} Once you know the answer, give it inside <answer> and </answer> as a short "
             "phrase without explanation, for example <answer> Paris </answer>.\n\n"
             f"Question: {question}\n"
         )

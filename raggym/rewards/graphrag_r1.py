@@ -14,11 +14,12 @@ With N the number of retrievals in the trajectory::
 
 Phases: 1 — SFT cold start (no reward); 2 — R_format + PRA; 3 — R_format + CAF.
 
-PRA is a geometric series: each extra retrieval adds R0·k^(N−1), so the first retrievals earn
-the most (against shallow retrieval). The paper states k = 1, which makes PRA linear and
-unbounded in N; raggym defaults to **k = 0.5**, which keeps the same first increment (R0) but
-bounds PRA by R0/(1 − k) = 1, so phase 2 cannot be won by retrieving until the budget runs out.
-Set ``pra_decay=1.0`` for the paper's value.
+PRA is a geometric series: each extra retrieval adds R0·k^(N−1). The paper contradicts itself
+on k: its equation section asks for 0 < k < 1 (then the first retrievals earn the most and PRA is
+bounded by R0/(1 − k)), while its implementation details report R0 = 0.5 and k = 1. raggym
+follows the reported value, **k = 1** (``pra_decay=1.0``), which makes PRA linear, R_N = R0·N:
+every retrieval earns R0 and phase 2 can only be capped by the environment's retrieval budget.
+``pra_decay`` below 1 gives the bounded form of the equation section (k = 0.5 bounds PRA by 1).
 
 CAF rewards answer quality (token F1 against the gold answers) and discounts it by e^(−bN) per
 retrieval (against over-thinking / over-retrieving).
@@ -38,7 +39,7 @@ from raggym.rewards.outcome import EpisodeOutcome
 class GraphRAGR1Config:
     format_reward: float = 0.5
     pra_initial: float = 0.5  # R0
-    pra_decay: float = 0.5  # k (paper: 1.0)
+    pra_decay: float = 1.0  # k: the paper's reported value (its equation section asks for 0 < k < 1)
     caf_scale: float = 2.0  # a
     caf_decay: float = 0.1  # b
 
@@ -48,7 +49,7 @@ def graphrag_r1_format_reward(format_ok: bool, value: float = 0.5) -> float:
     return value if format_ok else 0.0
 
 
-def progressive_retrieval_attenuation(n_retrievals: int, r0: float = 0.5, k: float = 0.5) -> float:
+def progressive_retrieval_attenuation(n_retrievals: int, r0: float = 0.5, k: float = 1.0) -> float:
     """PRA: R_N = R0·(1 − k^N)/(1 − k), or R0·N when k = 1; 0 for N = 0."""
     if n_retrievals < 0:
         raise ValueError("the number of retrievals cannot be negative")

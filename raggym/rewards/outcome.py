@@ -39,6 +39,8 @@ steps
 env_reward
     The terminal reward the environment's own ``reward_fn`` gave (exact match by default), kept so
     training can log it next to the recipe's reward; ``None`` when the episode has none.
+question
+    The question's text (an LLM judge of correctness reads it); ``""`` when not recorded.
 response_text
     The full response side of the trajectory (model segments and observations, without the
     prompt). Optional; rewards that check tag structure (LWS) read it when it is present.
@@ -99,6 +101,7 @@ class EpisodeOutcome:
     response_text: str = ""
     steps: tuple[Mapping[str, Any], ...] = ()
     env_reward: float | None = None
+    question: str = ""
 
     def __post_init__(self):
         # Accept lists from callers but store tuples, so the record stays hashable and frozen.
@@ -175,7 +178,7 @@ class EpisodeOutcome:
         ``retrieval_cost``/``retrieval_costs``/``total_retrieval_cost`` (a number, or a per-call
         list that is summed); ``truncated``/``timeout``; ``format_ok``/``format_valid``;
         ``gold_passages``/``gold_passage_texts``; ``prompt_id``/``question_id``;
-        ``response_text``.
+        ``response_text``; ``question`` (the text).
 
         Instead of the per-retrieval lists, a record may hold ``turns``: a list of per-turn dicts.
         A turn counts as a retrieval call when it has ``retrieved_ids`` or ``retrieved_texts``
@@ -236,6 +239,7 @@ class EpisodeOutcome:
             response_text=str(pick("response_text", default="")),
             steps=tuple(pick("steps", default=())),
             env_reward=None if pick("env_reward", "reward") is None else float(pick("env_reward", "reward")),
+            question=str(pick("question", default="")),
         )
 
     def as_dict(self) -> dict[str, Any]:

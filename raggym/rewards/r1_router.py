@@ -13,7 +13,10 @@ Router step, with q the generated sub-question and q* the reference sub-question
     R_route = r_format · (0.5 · sim(E(q), E(q*)) + 0.5 · [route = gold])
     sim(u, v) = (u / ‖u‖) · (v / ‖v‖)
 
-``r_format`` is 1 when the step is well formed, else 0. The route indicator counts only when the
+``r_format`` is 1 when the step is well formed — exactly ``<think>…</think>`` then
+``<sub-question>…</sub-question><ret>…</ret>``, nothing outside the blocks — else 0. A routing
+step without its think block parses as a route (the environment still retrieves for it) but
+scores ``r_format = 0`` (``step_format_ok``). The route indicator counts only when the
 ``<ret>`` field names **exactly one** valid knowledge base: the field is split on ``,``, ``;``,
 ``|``, ``/``, `` and `` and `` or ``; there must be one piece, it must be (case-insensitively) one
 of ``valid_kbs``, and it must equal the gold KB. Include ``"None"`` in ``valid_kbs`` when the
@@ -99,10 +102,18 @@ DEFAULT_KNOWLEDGE_BASES = (TEXT_KB, TABLE_KB)
 STOP_ROUTE = "None"
 
 
+def step_format_ok(step) -> bool:
+    """r_format of a recorded step (``RouteStepRecord.as_dict()``): accepted by the environment
+    *and* well formed, which requires the think block before the action."""
+    action = step.get("action") or {}
+    return not step["format_error"] and bool(action.get("well_formed", False))
+
+
 def r1_router_step_rewards(outcomes: Sequence, embed, knowledge_bases: Sequence[str] = DEFAULT_KNOWLEDGE_BASES) -> list[float]:
     """One reward per teacher-forced step (each outcome holds exactly one step record).
 
-    Routing step: ``R_route`` with ``None`` as the stop action's sub-question and route. The gold
+    Routing step: ``R_route`` with ``None`` as the stop action's sub-question and route, and
+    ``r_format`` from ``step_format_ok``. The gold
     of a routing step past the golden trajectory is the stop action itself, which the environment
     records as ``"None"``; any other missing gold is an error, never a silent reward.
     Intermediate answer: ``R_mid`` against the golden step answer. Final answer: ``R_final``.
@@ -129,7 +140,7 @@ def r1_router_step_rewards(outcomes: Sequence, embed, knowledge_bases: Sequence[
     for step, outcome in zip(steps, outcomes):
         if step["phase"] == "route":
             q, gold_q = embedded[id(step)]
-            rewards.append(router_step_reward(not step["format_error"], q, gold_q,
+            rewards.append(router_step_reward(step_format_ok(step), q, gold_q,
                                               step.get("knowledge_base") or STOP_ROUTE, step["gold_knowledge_base"], valid))
         elif step["phase"] == "answer":
             rewards.append(intermediate_answer_reward(step.get("answer"), step["gold_answer"]))

@@ -12,16 +12,21 @@ Stage 2 (correctness + efficiency), only correct answers earn the efficiency ter
     R = EM + R_eff   if EM = 1,   else 0
     R_eff = (t_avg − t) / T
 
-* ``t`` is the trajectory's total retrieval time, scaled into [0, 0.5] by the batch's 95th
-  percentile:  t = min(0.5, 0.5 · t_raw / p95(batch t_raw)).
+* ``t`` is the trajectory's total retrieval time: the sum of its own queries' times, each query
+  timed alone by the retriever (``RetrieverConfig.timing="per_query"``), so a query's time does
+  not depend on the other queries that shared its retrieval call. The paper says only that T
+  keeps t in [0, 0.5]; the scaling used here comes from the official RouteRAG code, which divides
+  by the batch's 95th percentile:  t = min(0.5, 0.5 · t_raw / p95(batch t_raw)).
 * ``t_avg`` is the mean of the scaled times over the **whole batch** (every rollout of every
   prompt, correct or not), not the GRPO group. Centring on the batch lets a prompt whose rollouts
   all retrieve heavily still be pushed toward cheaper strategies.
 * ``T`` is a temperature; with the scaled times and ``T = 1`` (the default) R_eff lies in
   [−0.5, 0.5], so a correct answer always scores more than a wrong one.
 
-The time is either measured wall seconds or the retriever's deterministic cost
-(``time_source="cost"``), which makes runs reproducible across machines. Because R_eff depends on
+The time is either measured wall seconds (``time_source="seconds"``, the recipe's choice) or the
+retriever's deterministic cost (``time_source="cost"``: work units that depend only on the query
+and the index), which makes runs reproducible across machines; docs/benchmarks.md compares the
+passage/graph ratio of the two. Because R_eff depends on
 the whole batch, stage 2 is a batch transform over episode records and must run before GRPO's
 group normalisation (``raggym.algorithms.grpo_advantages``).
 """

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from raggym.rewards.graphrag_r1 import GraphRAGR1Config, graphrag_r1_batch_rewards
-from raggym.rewards.lws import Embedder, Judge, LWSConfig, lws_reward
+from raggym.rewards.lws import Embedder, Judge, LWSConfig, lws_batch_rewards
 from raggym.rewards.metrics import exact_match
 from raggym.rewards.outcome import EpisodeOutcome
 from raggym.rewards.pathrouter import PathRouterConfig, pathrouter_batch_rewards
@@ -120,12 +120,11 @@ def lws_schedule(
     embed: Embedder | None = None,
     judge: Judge | None = None,
 ) -> RewardSchedule:
-    """``embed`` maps query strings to embeddings; needed as soon as an episode searches twice."""
+    """``embed`` maps query strings to embeddings; needed as soon as an episode searches twice.
+    ``judge(question, answer, golds) -> bool`` decides correctness (default: EM or F1 ≥ 0.5)."""
 
     def stage(n: int) -> BatchReward:
-        return lambda outcomes: [
-            lws_reward(o, n, config, embed=embed, judge=judge) for o in outcomes
-        ]
+        return lambda outcomes: lws_batch_rewards(outcomes, n, config, embed=embed, judge=judge)
 
     return RewardSchedule(
         "lws",
