@@ -58,7 +58,8 @@ def test_call_log_weight_updates_and_bad_scripts(engine, tmp_path):
     scripted.generate([_prompt(engine)] * 2, None, STOPS, 64)
     start, end = [json.loads(line) for line in log.read_text().splitlines()]
     assert (start["event"], end["event"], start["call"], end["call"], start["turns"]) == ("start", "end", 0, 0, [0, 0])
-    assert end["time"] - start["time"] >= 0.2
+    # the log's wall-clock stamps may run a little slow against the monotonic clock the delay uses
+    assert end["time"] - start["time"] >= 0.2 - 0.01
     assert scripted.update_weights({}, 7) == 7 and scripted.update_weights({}) == 8
     with pytest.raises(RuntimeError, match="object-store weight sync"):
         scripted.init_weight_sync("127.0.0.1", 1, 0, 2)
