@@ -95,7 +95,8 @@ def comparison_rows(evaluations: list[tuple[str, dict]]) -> list[dict]:
     return rows
 
 
-def markdown_report(meta: dict, stages: list[str], rows: list[dict], train_metrics: list[dict], plots: dict[str, str]) -> str:
+def markdown_report(meta: dict, stages: list[str], rows: list[dict], train_metrics: list[dict], plots: dict[str, str],
+                    sections: list[str] = ()) -> str:
     lines = [f"# {meta.get('title', 'raggym demo report')}", ""]
     for key, value in meta.items():
         if key != "title":
@@ -110,6 +111,8 @@ def markdown_report(meta: dict, stages: list[str], rows: list[dict], train_metri
             cells = [row["dataset"], row["system"], *(_fmt(row[key].get(s)) for s in stages), _fmt(row[key]["delta"])]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    for section in sections:
+        lines += [section.rstrip(), ""]
     if train_metrics:
         lines += ["## Training steps", "", "| step | stage | reward | EM | retrievals | answered | loss |", "|---|---|---|---|---|---|---|"]
         for m in train_metrics:
@@ -176,8 +179,12 @@ def plot_curves(out_dir: Path, train_metrics: list[dict], mix: list[dict], evalu
 
 
 def write_report(out_dir: str | Path, *, evaluations: list[tuple[str, dict]], train_metrics: list[dict],
-                 trajectory_dir: str | Path | None = None, meta: dict | None = None, plots: bool = True) -> dict:
-    """Write ``report.md``, ``report.json`` and ``plots/*.png`` under ``out_dir``; returns the JSON."""
+                 trajectory_dir: str | Path | None = None, meta: dict | None = None, plots: bool = True,
+                 extra: dict | None = None, sections: list[str] = ()) -> dict:
+    """Write ``report.md``, ``report.json`` and ``plots/*.png`` under ``out_dir``; returns the JSON.
+
+    ``extra`` adds top-level keys to ``report.json`` (the demo's ``rl_effect``); ``sections`` are
+    markdown blocks inserted after the evaluation tables."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mix = mode_mix_by_step(trajectory_dir) if trajectory_dir else []
@@ -185,8 +192,8 @@ def write_report(out_dir: str | Path, *, evaluations: list[tuple[str, dict]], tr
     stages = [stage for stage, _ in evaluations]
     images = plot_curves(out, train_metrics, mix, evaluations) if plots else {}
     meta = dict(meta or {})
-    report = {"meta": meta, "stages": stages, "comparison": rows, "train_metrics": train_metrics,
+    report = {"meta": meta, "stages": stages, "comparison": rows, **(extra or {}), "train_metrics": train_metrics,
               "mode_mix_by_step": mix, "evaluations": dict(evaluations), "plots": images}
     atomic_write_json(out / "report.json", report)
-    atomic_write_text(out / "report.md", markdown_report(meta, stages, rows, train_metrics, images))
+    atomic_write_text(out / "report.md", markdown_report(meta, stages, rows, train_metrics, images, sections))
     return report

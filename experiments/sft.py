@@ -101,6 +101,28 @@ def _answer_reasoning(question, steps: Sequence[dict]) -> str:
     return f"I know this: {answer}."
 
 
+def with_search_modes(questions, modes: str | Sequence[str] = "golden", seed: int = 0) -> list:
+    """Questions whose golden steps use the retrieval ``modes`` asked for (see ``golden_examples``).
+
+    A random draw depends only on (seed, question id, step), so a question's modes do not change
+    with the order or the company it is given in."""
+    import dataclasses
+
+    if modes == "golden":
+        return list(questions)
+    choices = (modes,) if isinstance(modes, str) else tuple(modes)
+    if not choices:
+        raise ValueError("modes: give 'golden', a mode name or a non-empty list of modes")
+    out = []
+    for q in questions:
+        steps = []
+        for i, step in enumerate(q.golden_trajectory):
+            rng = random.Random(f"{seed}/{q.id}/{i}")
+            steps.append({**step, "mode": rng.choice(choices)})
+        out.append(dataclasses.replace(q, golden_trajectory=tuple(steps)))
+    return out
+
+
 def _search_script(env, question):
     """The golden segments of a search-dialect episode, one per ``yield`` (a generator that is
     sent each step's result; the search dialects do not need it)."""
@@ -183,6 +205,7 @@ def _play_batch(envs, questions, builders, script) -> list[float]:
 
 def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=None, top_k: int = 3,
                     max_observation_tokens: int = 128, env_kwargs: dict | None = None,
+                    modes: str | Sequence[str] = "golden", mode_seed: int = 0,
                     show_progress=True) -> list[dict]:
     """One supervised example per question, played through the real environment.
 
@@ -190,6 +213,11 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
     "gold_hit"}``: ``loss_mask`` is 1 exactly on the model-segment tokens, ``text`` is the decoded
     sequence, ``reward`` the environment's terminal reward (exact match by default, so 1.0), and
     ``gold_hit`` whether retrieval surfaced at least one gold passage.
+
+    ``modes`` picks each search's retrieval mode: ``"golden"`` keeps the trajectory's own,
+    a mode name (``"passage"``) fixes it, and a sequence of modes (``("passage", "graph")``) draws
+    one uniformly per search, seeded by ``mode_seed`` and the question id. The last two teach the
+    format and leave *when* to use which mode to RL (``with_search_modes``).
 
     ``max_observation_tokens`` caps each observation as the rollout does
     (``RolloutConfig.max_observation_tokens``); use the same value in both. R1-Router's
@@ -209,6 +237,7 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
         raise ValueError("golden_examples: no questions given")
     titles_from = corpus if corpus is not None else getattr(retriever, "corpus", None)
     questions = with_golden_trajectories(questions, titles_from, need_answers=dialect == "r1_router")
+    questions = with_search_modes(questions, modes, mode_seed)
     for q in questions:
         for i, step in enumerate(q.golden_trajectory):
             if not isinstance(step, dict) or not isinstance(step.get("query"), str) or not step["query"].strip():

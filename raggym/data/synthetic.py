@@ -16,6 +16,16 @@ their object by an alias that no passage links back to the canonical name; only 
 graph knows the alias (through an ``is alias of`` triple), so the hop after such a fact is
 reachable through graph retrieval only. The golden trajectory marks that hop's mode ``graph``.
 
+The routing task (``task="routing"``, the learning proof's world) asks one-hop lookups of two
+types. ``direct`` questions ask a relation of a film, company, university or city, stated in a
+passage titled by its subject: a dense passage search finds it. ``graph_only`` questions ask a
+biography fact of a person (``graph_only_relations``: birthplace, employer, university); that
+person's facts are stated only in one biography passage, titled by a number, that calls them
+"this person". Its OpenIE triples are coreference-resolved (they name the person), so graph
+retrieval reaches it from the name while a passage search cannot. What tells the agent which
+mode a question needs is the relation it asks about, and a passage search's observation, which
+shows the person's name only in passing.
+
 Questions: 1-hop, 2- to 4-hop bridge chains, and comparisons. Each carries the gold answer, gold
 passage ids, gold evidence triples and a golden trajectory (sub-query, mode, knowledge base and
 intermediate answer per step).
@@ -99,6 +109,13 @@ _COMPARISON = {
     "company": ("Which company is older, {a} or {b}?", "Which company is younger, {a} or {b}?"),
     "university": ("Which university was founded first, {a} or {b}?", "Which university was founded more recently, {a} or {b}?"),
 }
+# Routing task: a person's biography that never names the person (module docstring).
+_UNNAMED_FACTS = {
+    "born_in": ["this person was born in {o}", "this person is a native of {o}"],
+    "educated_at": ["this person studied at {o}", "this person graduated from {o}"],
+    "works_for": ["this person works for {o}", "this person is employed by {o}"],
+    "birth_year": ["this person was born in the year {o}"],
+}
 _DISTRACTOR_OPENERS = [
     "{e} was mentioned in a regional newsletter alongside {d}.",
     "A documentary about {e} also featured {d}.",
@@ -134,6 +151,14 @@ class WorldConfig:
     comparison_share: float = 0.15
     attribute_kb: str = "text"  # "text": years in passages; "table": years only in the table KB
     table_rows: int = 8  # rows per table in the table KB
+    # "multihop": the chains and comparisons above. "routing": one-hop lookups where the right
+    # retrieval mode depends on the question (module docstring); max_hops, alias_share and
+    # comparison_share do not apply to it.
+    task: str = "multihop"
+    # routing: relations stated only in untitled biography sections that refer to their subject as
+    # "this person"; the graph's (coreference-resolved) triples still name it
+    graph_only_relations: tuple[str, ...] = ("born_in", "works_for", "educated_at")
+    graph_only_share: float = 0.5  # routing: share of questions asking about such a fact
 
     def __post_init__(self):
         if not 1 <= self.max_hops <= 4:
@@ -148,6 +173,18 @@ class WorldConfig:
             raise ValueError("distractors_per_fact must be >= 0")
         if self.attribute_kb not in ("text", "table"):
             raise ValueError(f"attribute_kb must be 'text' or 'table', got {self.attribute_kb!r}")
+        if self.task not in ("multihop", "routing"):
+            raise ValueError(f"task must be 'multihop' or 'routing', got {self.task!r}")
+        self.graph_only_relations = tuple(self.graph_only_relations)
+        unknown = [r for r in self.graph_only_relations if r not in RELATIONS]
+        if unknown:
+            raise ValueError(f"graph_only_relations: unknown relations {unknown}; expected some of {sorted(RELATIONS)}")
+        if self.task == "routing":
+            if not self.graph_only_relations or any(RELATIONS[r][0] != "person" for r in self.graph_only_relations):
+                raise ValueError("routing: graph_only_relations must be non-empty relations of a person (biography "
+                                 f"facts); got {self.graph_only_relations}")
+        if not 0 <= self.graph_only_share <= 1:
+            raise ValueError("graph_only_share must be in [0, 1]")
 
 
 def entities_for_passages(target_passages: int, config: WorldConfig | None = None) -> int:
@@ -255,6 +292,7 @@ class SyntheticWorld:
         self.entities = _Entities(cfg)
         self._plan_rng = random.Random(cfg.seed * 1_000_003 + 13)
         self._aliased: set[tuple[int, str]] = set()
+        self._unnamed: set[int] = set()  # routing: persons whose facts only an unnamed biography states
         self._plans = self._plan_questions()
         self._materialized: tuple[Corpus, dict, Corpus | None, list[Question]] | None = None
 
@@ -322,8 +360,33 @@ class SyntheticWorld:
         ]
         return _PlannedQuestion(f"syn-{self.config.seed}-{qnum}", "comparison", 2, text, E.names[winner], [(a, attr), (b, attr)], triples, trajectory)
 
+    def _plan_routing(self, qnum: int, asked: set) -> _PlannedQuestion:
+        """A one-hop lookup (module docstring): about a biography fact of a person
+        (``graph_only_relations``, stated only in a section that never names the person), or about
+        any other relation, stated in a passage titled by its subject. ``asked``: facts asked so far."""
+        cfg, E, rng = self.config, self.entities, self._plan_rng
+        graph_only = rng.random() < cfg.graph_only_share
+        pool = [r for r in RELATIONS if (r in cfg.graph_only_relations) == graph_only]
+        for _ in range(1000):
+            rel = rng.choice(pool)
+            subject = int(rng.choice(E.ids_by_type[RELATIONS[rel][0]]))
+            if (subject, rel) not in asked:
+                break
+        asked.add((subject, rel))
+        if graph_only:
+            self._unnamed.add(subject)
+        answer = E.names[E.obj(rel, subject)]
+        query = _NOUN_PHRASE[rel][0].format(x=E.names[subject])
+        text = rng.choice(_QUESTION_FORMS).format(np=rng.choice(_NOUN_PHRASE[rel]).format(x=E.names[subject]))
+        return _PlannedQuestion(f"syn-{cfg.seed}-{qnum}", "graph_only" if graph_only else "direct", 1, text, answer,
+                                [(subject, rel)], [(E.names[subject], _TRIPLE_RELATION[rel], answer)],
+                                [{"query": query, "mode": "graph" if graph_only else "passage", "kb": "text", "answer": answer}])
+
     def _plan_questions(self) -> list[_PlannedQuestion]:
         cfg, rng = self.config, self._plan_rng
+        if cfg.task == "routing":
+            asked: set = set()
+            return [self._plan_routing(q, asked) for q in range(cfg.n_questions)]
         plans = []
         for q in range(cfg.n_questions):
             if rng.random() < cfg.comparison_share:
@@ -356,6 +419,18 @@ class SyntheticWorld:
                 continue
             rng.shuffle(facts)
             name = E.names[entity]
+            if entity in self._unnamed:
+                # One passage with all of the person's facts, titled by a number: a
+                # coreference-resolving OpenIE (the graph) knows whose they are; the text does not.
+                sentences, triples = [], []
+                for rel, obj in facts:
+                    value = str(int(E.year[entity])) if obj is None else E.names[obj]
+                    sentence = rng.choice(_UNNAMED_FACTS[rel]).format(o=value)
+                    sentences.append(sentence[0].upper() + sentence[1:] + ".")
+                    triples.append([name, _TRIPLE_RELATION[rel], value])
+                passage = Passage.from_content(f"Biography no. {entity}", " ".join(sentences))
+                yield passage, triples, list(dict.fromkeys([name, *(t[2] for t in triples)])), [(entity, rel) for rel, _ in facts]
+                continue
             distractor_texts: set[str] = set()  # a repeated distractor would duplicate a passage id
             i = 0
             while i < len(facts):
@@ -390,7 +465,8 @@ class SyntheticWorld:
                     decoy = rng.randrange(E.n)
                     if decoy == entity:
                         continue
-                    decoy_facts = self._entity_facts(decoy)
+                    # a biography fact must not be repeated, under the person's name, in a distractor
+                    decoy_facts = [] if decoy in self._unnamed else self._entity_facts(decoy)
                     opener = rng.choice(_DISTRACTOR_OPENERS).format(e=name, d=E.names[decoy])
                     d_triples = [[name, "mentioned with", E.names[decoy]]]
                     body = ""

@@ -1,0 +1,413 @@
+"""The learning proof: does RouteRAG's RL, not SFT, teach the agent *when* to search the graph?
+
+``python -m experiments.routing`` runs, for each seed, on this CPU:
+
+1. the **routing task** (``raggym.data.synthetic``, ``task="routing"``): one-hop lookups of two
+   types. ``direct`` questions ask a relation of a film, company, university or city, stated in a
+   passage titled by its subject, so a dense passage search finds it (and so, mostly, does the
+   graph). ``graph_only`` questions ask a person's birthplace, employer or university; a person's
+   facts are stated only in an untitled biography ("this person was born in ..."), whose
+   coreference-resolved OpenIE triples name the person, so only graph retrieval reaches them.
+   What the agent can see: the relation a question asks about, and a passage search's
+   observation, which shows the person only in passing;
+2. **SFT that teaches the format only**: golden episodes whose search mode is drawn at random
+   (passage or graph, per search), so whatever routing the agent ends up with comes from RL;
+3. **stage 1** RouteRAG GRPO (reward = EM), then **stage 2** (EM + batch-centred efficiency with
+   the deterministic retrieval cost: a graph search costs about 140x a passage search here), each
+   followed by a greedy evaluation on the held-out questions.
+
+It writes ``report.json``, ``report.md`` and PNG curves under ``--out``: per question type and
+stage, EM and graph share (mean and spread over seeds), retrieval cost per question, and the
+reward and graph-share curves over training steps. ``docs/results.md`` records a run.
+
+The same functions run one seed inside ``make demo`` (``experiments.demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RL_CONFIG = REPO / "experiments" / "configs" / "routing_grpo.yaml"
+GRAPH_MODES = ("graph", "hybrid")  # searches that use graph retrieval
+STAGES = ("after SFT", "after stage 1", "after stage 2")
+
+
+def _say(msg: str) -> None:
+    print(f"[routing] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+@dataclass
+class RoutingTask:
+    """A routing world written to disk with its index: what every seed trains and evaluates on."""
+
+    world_dir: Path
+    index_dir: Path
+    train: list
+    heldout: list
+    corpus: object
+    kinds: dict[str, str] = field(default_factory=dict)  # question id -> "graph_only" | "direct"
+
+    def heldout_dataset(self) -> list[dict]:
+        return [{"name": "routing-heldout", "source": "files", "corpus": str(self.world_dir / "corpus.jsonl"),
+                 "questions": str(self.world_dir / "heldout_questions.jsonl"),
+                 "openie": str(self.world_dir / "openie.json"), "index_dir": str(self.index_dir)}]
+
+
+def build_task(out: Path, *, seed: int, entities: int, questions: int, heldout: int, show_progress: bool = True) -> RoutingTask:
+    """Generate the routing world (``seed``), split it, write its files and build its index."""
+    from raggym.atomic import atomic_write_json
+    from raggym.data import write_corpus, write_questions
+    from raggym.data.splits import split_questions
+    from raggym.data.synthetic import generate_world
+    from raggym.retrieval import ensure_index
+
+    world = generate_world(seed, n_entities=entities, n_questions=questions, task="routing")
+    train_q, heldout_q = split_questions(world.questions, heldout / len(world.questions), seed)
+    heldout_q = heldout_q[:heldout]
+    wdir = out / "world"
+    wdir.mkdir(parents=True, exist_ok=True)
+    write_corpus(wdir / "corpus.jsonl", world.corpus)
+    atomic_write_json(wdir / "openie.json", world.openie, indent=None)
+    write_questions(wdir / "train_questions.jsonl", train_q)
+    write_questions(wdir / "heldout_questions.jsonl", heldout_q)
+    index_dir = ensure_index(out / "index", world.corpus, openie=world.openie, shards=2, show_progress=show_progress)
+    kinds = {q.id: q.kind for q in world.questions}
+    return RoutingTask(wdir, Path(index_dir), train_q, heldout_q, world.corpus, kinds)
+
+
+def recall_by_mode(retriever, questions, k: int) -> dict:
+    """recall@k of each retrieval mode per question type, with each question's golden sub-query,
+    and the mean deterministic cost of one search in each mode."""
+    out: dict = {}
+    for kind in sorted({q.kind for q in questions}):
+        subset = [q for q in questions if q.kind == kind]
+        queries = [q.golden_trajectory[0]["query"] for q in subset]
+        out[kind] = {"questions": len(subset)}
+        for mode in ("passage", "graph"):
+            results = retriever.retrieve(queries, mode=mode, k=k)
+            hits = sum(bool({h.id for h in r.hits} & set(q.gold_passage_ids)) for r, q in zip(results, subset))
+            out[kind][f"{mode}_recall"] = round(hits / len(subset), 3)
+            out[kind][f"{mode}_cost"] = round(sum(r.cost for r in results) / len(results), 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def graph_share(modes) -> float | None:
+    """Share of searches that use graph retrieval (``graph`` or ``hybrid``); None without searches."""
+    modes = list(modes)
+    return sum(m in GRAPH_MODES for m in modes) / len(modes) if modes else None
+
+
+def typed_metrics(episodes: list[dict], kinds: dict[str, str]) -> dict:
+    """Per question type (and ``all``): EM, graph share of searches, searches and retrieval cost
+    per question, from evaluation trajectories (``{"question_id", "metrics": episode_metrics}``)."""
+    groups: dict[str, list[dict]] = {"all": []}
+    for ep in episodes:
+        kind = kinds.get(ep["question_id"])
+        if kind is None:
+            raise ValueError(f"question {ep['question_id']!r} has no type in this task")
+        groups.setdefault(kind, []).append(ep["metrics"])
+        groups["all"].append(ep["metrics"])
+    out = {}
+    for kind, ms in sorted(groups.items()):
+        n = len(ms)
+        out[kind] = {"n": n, "em": sum(m["em"] for m in ms) / n,
+                     "graph_share": graph_share(mode for m in ms for mode in m["modes"]),
+                     "searches_per_question": sum(len(m["modes"]) for m in ms) / n,
+                     "cost_per_question": sum(m["retrieval_cost"] for m in ms) / n}
+    return out
+
+
+def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
+    """Per training step: mean reward and the graph share of each question type's searches."""
+    from experiments.report import read_jsonl
+
+    rows = []
+    for path in sorted(Path(trajectory_dir).glob("step-*.jsonl")):
+        trajectories = read_jsonl(path)
+        row = {"step": int(path.stem.split("-")[1]),
+               "reward": sum(t["reward"] for t in trajectories) / max(1, len(trajectories))}
+        for kind in sorted(set(kinds.values())):
+            modes = [m for t in trajectories if kinds.get(t["episode"].get("question_id")) == kind
+                     for m in t["episode"].get("modes") or ()]
+            row[f"graph_share/{kind}"] = graph_share(modes)
+        rows.append(row)
+    return rows
+
+
+def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict) -> tuple[dict, dict]:
+    """Greedy held-out evaluation of ``policy``: (per-type metrics, ``evaluate``'s results)."""
+    from experiments.evaluate import evaluate
+    from experiments.report import read_jsonl
+
+    results = evaluate(policy, task.heldout_dataset(), ["agent"], out, **eval_kwargs)
+    return typed_metrics(read_jsonl(out / "trajectories" / "routing-heldout__agent.jsonl"), task.kinds), results
+
+
+# ----------------------------------------------------------------------------- one seed
+
+
+@dataclass
+class SeedSettings:
+    """What one seed runs; the defaults are the experiment's (``docs/results.md``)."""
+
+    sft_examples: int = 96
+    sft_epochs: int = 2
+    sft_lr: float = 2e-4
+    sft_batch: int = 8
+    stage1_steps: int = 12
+    stage2_steps: int = 8
+    prompts_per_step: int = 8
+    group_size: int = 4
+    lr: float | None = None  # None: routing_grpo.yaml's
+    policy: str = "smollm2-135m"
+    overrides: tuple = ()  # extra key=value for the RL config
+
+
+def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwargs: dict, show_progress: bool = True) -> dict:
+    """SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval, for one seed."""
+    from experiments.sft import golden_examples, run_sft
+    from experiments.train import load_config, train
+    from experiments.report import read_jsonl
+    from raggym.models import load_policy_tokenizer
+    from raggym.retrieval import Retriever
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    policy = s.policy
+    retriever = Retriever.load(task.index_dir)
+    examples = golden_examples(task.train[: s.sft_examples], retriever, "routerag", load_policy_tokenizer(policy),
+                               corpus=task.corpus, top_k=eval_kwargs["top_k"],
+                               max_observation_tokens=eval_kwargs["max_observation_tokens"],
+                               modes=("passage", "graph"), mode_seed=seed, show_progress=show_progress)
+    sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
+                  seed=seed, show_progress=show_progress)
+    timings["sft"] = round(time.perf_counter() - t0, 1)
+    evals, results = {}, {}
+    t0 = time.perf_counter()
+    evals["after SFT"], results["after SFT"] = evaluate_policy(sft["policy_dir"], task, out / "eval" / "sft",
+                                                               {**eval_kwargs, "seed": seed})
+    timings["eval_sft"] = round(time.perf_counter() - t0, 1)
+
+    run_dir = out / "grpo"
+    total = s.stage1_steps + s.stage2_steps
+    base = [f"run.out_dir={run_dir}", f"run.seed={seed}", f"policy.model={sft['policy_dir']}",
+            f"data.corpus={task.world_dir / 'corpus.jsonl'}", f"data.questions={task.world_dir / 'train_questions.jsonl'}",
+            f"data.openie={task.world_dir / 'openie.json'}", f"data.index_dir={task.index_dir}",
+            f"reward.stage2_start={s.stage1_steps}", f"rollout.prompts_per_step={s.prompts_per_step}",
+            f"rollout.group_size={s.group_size}", f"learner.mini_batch_size={s.prompts_per_step * s.group_size}"]
+    if s.lr is not None:
+        base.append(f"learner.optimizer.lr={s.lr}")
+    base += list(s.overrides)
+    for stage, steps in (("stage 1", s.stage1_steps), ("stage 2", total)):
+        t0 = time.perf_counter()
+        # Stage 2 resumes stage 1's run (learner, optimizer and sampler state) and goes on to
+        # ``total`` steps; its reward switches at ``stage2_start``.
+        train(load_config(str(RL_CONFIG), [*base, f"run.steps={steps}", "run.resume=true"]))
+        timings[stage.replace(" ", "")] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        evals[f"after {stage}"], results[f"after {stage}"] = evaluate_policy(
+            str(run_dir), task, out / "eval" / stage.replace(" ", ""), {**eval_kwargs, "seed": seed})
+        timings[f"eval_{stage.replace(' ', '')}"] = round(time.perf_counter() - t0, 1)
+    return {"seed": seed, "evaluations": evals, "results": results,
+            "curves": training_curves(run_dir / "trajectories", task.kinds),
+            "train_metrics": read_jsonl(run_dir / "metrics.jsonl"), "sft": {k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
+            "seconds": timings}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "min": None, "max": None, "std": None}
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "std": statistics.pstdev(values) if len(values) > 1 else 0.0}
+
+
+def summarise(seed_runs: list[dict]) -> dict:
+    """Mean and spread over seeds of every (stage, type, metric)."""
+    table: dict = {}
+    for stage in STAGES:
+        for kind in seed_runs[0]["evaluations"][stage]:
+            for metric in ("em", "graph_share", "cost_per_question", "searches_per_question"):
+                values = [r["evaluations"][stage][kind][metric] for r in seed_runs]
+                table.setdefault(stage, {}).setdefault(kind, {})[metric] = {**_spread(values), "per_seed": values}
+    return table
+
+
+def rl_effect(table: dict, seeds: int) -> list[dict]:
+    """The ``rl_effect`` entries: RL's change on the graph-needing type, and stage 2's on cost."""
+    def mean(stage, kind, metric):
+        return table[stage][kind][metric]["mean"]
+
+    return [
+        {"question_type": "graph_only", "metric": "em", "after_sft": mean("after SFT", "graph_only", "em"),
+         "after_rl": mean("after stage 1", "graph_only", "em"), "rl_stage": "stage 1", "seeds": seeds},
+        {"question_type": "graph_only", "metric": "graph_share", "after_sft": mean("after SFT", "graph_only", "graph_share"),
+         "after_rl": mean("after stage 1", "graph_only", "graph_share"), "rl_stage": "stage 1", "seeds": seeds},
+        {"question_type": "all", "metric": "cost_per_question", "after_sft": mean("after SFT", "all", "cost_per_question"),
+         "after_stage1": mean("after stage 1", "all", "cost_per_question"),
+         "after_rl": mean("after stage 2", "all", "cost_per_question"), "rl_stage": "stage 2", "seeds": seeds},
+    ]
+
+
+def plot(out: Path, seed_runs: list[dict], stage1_steps: int) -> dict[str, str]:
+    """Reward and per-type graph-share curves over training steps, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    files = {}
+    kinds = sorted(k.split("/", 1)[1] for k in seed_runs[0]["curves"][0] if k.startswith("graph_share/")) if seed_runs[0]["curves"] else []
+    fig, axes = plt.subplots(1, 1 + len(kinds), figsize=(5 * (1 + len(kinds)), 3.6))
+    axes = list(axes) if hasattr(axes, "__len__") else [axes]
+    for run in seed_runs:
+        steps = [row["step"] for row in run["curves"]]
+        axes[0].plot(steps, [row["reward"] for row in run["curves"]], marker=".", label=f"seed {run['seed']}")
+        for ax, kind in zip(axes[1:], kinds):
+            ax.plot(steps, [row[f"graph_share/{kind}"] for row in run["curves"]], marker=".", label=f"seed {run['seed']}")
+    axes[0].set_title("mean reward per step")
+    for ax, kind in zip(axes[1:], kinds):
+        ax.set_title(f"graph share of searches: {kind} questions")
+        ax.set_ylim(-0.05, 1.05)
+    for ax in axes:
+        ax.axvline(stage1_steps + 0.5, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel("RL step (dashed: stage 2 starts)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "plots" / "routing_curves.png", dpi=110)
+    plt.close(fig)
+    files["curves"] = "plots/routing_curves.png"
+    return files
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# {report['title']}", "", f"Command: `{report['command']}`  ", f"Wall time: {report['seconds']:.0f} s; "
+             f"seeds {report['seeds']}; machine: {report['machine']}", "", "## Retrieval recall@k on the task (golden sub-queries)", "",
+             "| type | questions | passage recall | graph recall | passage cost | graph cost |", "|---|---|---|---|---|---|"]
+    for kind, r in report["recall"].items():
+        lines.append(f"| {kind} | {r['questions']} | {r['passage_recall']:.3f} | {r['graph_recall']:.3f} | "
+                     f"{r['passage_cost']:.0f} | {r['graph_cost']:.0f} |")
+    lines += ["", "## Held-out results (mean over seeds, [min, max])", "",
+              "| stage | type | EM | graph share | searches / q | cost / q |", "|---|---|---|---|---|---|"]
+
+    def cell(d):
+        if d["mean"] is None:
+            return "n/a"
+        return f"{d['mean']:.3f} [{d['min']:.3f}, {d['max']:.3f}]"
+
+    for stage, kinds in report["table"].items():
+        for kind, m in kinds.items():
+            lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | "
+                         f"{m['searches_per_question']['mean']:.2f} | {m['cost_per_question']['mean']:.0f} |")
+    lines += ["", "## RL effect", ""]
+    for e in report["rl_effect"]:
+        lines.append(f"- {e['question_type']} {e['metric']}: after SFT {e['after_sft']:.3f} -> after RL ({e['rl_stage']}) "
+                     f"{e['after_rl']:.3f}" + (f" (after stage 1 {e['after_stage1']:.3f})" if "after_stage1" in e else ""))
+    lines += ["", "## Targets", ""]
+    for t in report["targets"]:
+        lines.append(f"- {t['name']}: {t['value']:.3f} vs {t['target']} -> {'met' if t['met'] else 'NOT met'}")
+    lines += ["", "![curves](plots/routing_curves.png)", ""]
+    return "\n".join(lines)
+
+
+def targets(table: dict) -> list[dict]:
+    """The issue's targets, computed from the table (reported whether met or not)."""
+    sft_em, s1_em = table["after SFT"]["graph_only"]["em"]["mean"], table["after stage 1"]["graph_only"]["em"]["mean"]
+    share = table["after stage 1"]["graph_only"]["graph_share"]["mean"] or 0.0
+    c1, c2 = table["after stage 1"]["all"]["cost_per_question"]["mean"], table["after stage 2"]["all"]["cost_per_question"]["mean"]
+    em1, em2 = table["after stage 1"]["all"]["em"], table["after stage 2"]["all"]["em"]
+    spread = max(em1["max"] - em1["min"], em2["max"] - em2["min"])
+    return [
+        {"name": "graph-only EM gain, stage 1 over SFT", "value": s1_em - sft_em, "target": ">= 0.20", "met": s1_em - sft_em >= 0.20},
+        {"name": "graph-only graph share after stage 1", "value": share, "target": ">= 0.7", "met": share >= 0.7},
+        {"name": "cost per question, stage 2 / stage 1", "value": c2 / c1 if c1 else float("nan"), "target": "<= 0.7",
+         "met": bool(c1) and c2 / c1 <= 0.7},
+        {"name": "EM change stage 1 -> stage 2 (all) vs seed spread", "value": em2["mean"] - em1["mean"],
+         "target": f"|change| <= spread {spread:.3f}", "met": abs(em2["mean"] - em1["mean"]) <= spread},
+    ]
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.routing", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/routing")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--world-seed", type=int, default=0)
+    p.add_argument("--entities", type=int, default=300)
+    p.add_argument("--questions", type=int, default=400)
+    p.add_argument("--heldout", type=int, default=64, help="held-out questions evaluated at every stage")
+    for name, default in vars(SeedSettings()).items():
+        if name in ("overrides", "lr", "policy"):
+            continue
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    p.add_argument("--lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of routing_grpo.yaml")
+    return p
+
+
+EVAL_KWARGS = dict(dialect="routerag", max_response_tokens=96, max_turn_tokens=48, top_k=3, retrieval_budget=2,
+                   workers=2, temperature=0.0, show_progress=False, max_observation_tokens=96)
+
+
+def run(args) -> dict:
+    import platform
+
+    from actors.cluster import init_ray
+    from raggym.atomic import atomic_write_json, atomic_write_text
+    from raggym.retrieval import Retriever
+
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = build_task(out, seed=args.world_seed, entities=args.entities, questions=args.questions, heldout=args.heldout)
+    recall = recall_by_mode(Retriever.load(task.index_dir), task.heldout, EVAL_KWARGS["top_k"])
+    _say(f"task: {len(task.train)} training, {len(task.heldout)} held-out questions; recall@{EVAL_KWARGS['top_k']} {json.dumps(recall)}")
+    init_ray(num_cpus=8)
+    settings = SeedSettings(**{k: getattr(args, k) for k in vars(SeedSettings()) if k not in ("overrides", "policy")},
+                            overrides=tuple(args.overrides))
+    runs = []
+    for seed in args.seeds:
+        _say(f"seed {seed}")
+        runs.append(run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS))
+        atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
+    table = summarise(runs)
+    report = {"title": "RL teaches routing: SmolLM2-135M on the routing task (CPU)",
+              "command": "python -m experiments.routing " + " ".join(sys.argv[1:]),
+              "machine": f"{platform.platform()}, {__import__('os').cpu_count()} CPUs",
+              "seeds": list(args.seeds), "settings": vars(settings), "recall": recall, "table": table,
+              "rl_effect": rl_effect(table, len(runs)), "targets": targets(table),
+              "seed_runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
+              "seconds": round(time.perf_counter() - started, 1)}
+    report["plots"] = plot(out, runs, settings.stage1_steps)
+    atomic_write_json(out / "report.json", report)
+    atomic_write_text(out / "report.md", markdown(report))
+    _say(f"report: {out / 'report.md'}")
+    return report
+
+
+def main(argv=None) -> int:
+    run(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

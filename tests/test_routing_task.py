@@ -1,0 +1,148 @@
+"""The routing task (synthetic ``task="routing"``), format-only SFT modes and the learning-proof
+report's arithmetic (``experiments.routing``)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments.routing import graph_share, rl_effect, summarise, targets, typed_metrics
+from experiments.sft import with_search_modes
+from raggym.data.synthetic import RELATIONS, WorldConfig, generate_world
+
+GRAPH_ONLY = ("born_in", "works_for", "educated_at")
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(3, n_entities=240, n_questions=120, task="routing")
+
+
+def _relation(q):
+    from raggym.data.synthetic import _TRIPLE_RELATION
+
+    return next(r for r in RELATIONS if _TRIPLE_RELATION[r] == q.gold_triples[0][1])
+
+
+def test_routing_questions_are_one_hop_of_two_types(world):
+    kinds = [q.kind for q in world.questions]
+    assert set(kinds) == {"graph_only", "direct"}
+    assert 0.3 < kinds.count("graph_only") / len(kinds) < 0.7  # graph_only_share 0.5
+    for q in world.questions:
+        assert q.hops == 1 and len(q.golden_trajectory) == 1 and len(q.gold_passage_ids) == 1
+        assert q.golden_trajectory[0]["mode"] == ("graph" if q.kind == "graph_only" else "passage")
+        assert (_relation(q) in GRAPH_ONLY) == (q.kind == "graph_only")
+
+
+def test_graph_only_facts_are_named_by_the_graph_alone(world):
+    passages = {p.id: p for p in world.corpus}
+    triples_of = {p.id: d["extracted_triples"] for p, d in zip(world.corpus, world.openie["docs"])}
+    for q in world.questions:
+        gold = passages[q.gold_passage_ids[0]]
+        subject = q.gold_triples[0][0]
+        assert q.answer in gold.text and subject in q.question
+        assert list(q.gold_triples[0]) in triples_of[gold.id]  # the graph ties the fact to its subject
+        if q.kind == "direct":
+            assert gold.title == subject
+        else:  # the text does not: neither title nor sentence names the person
+            assert subject not in gold.title and subject not in gold.text and "this person" in gold.text.lower()
+    # graph-only facts are not also stated under the person's name
+    named = {(t[0], t[1]) for p in world.corpus if not p.title.startswith("Biography no.")
+             for t in triples_of[p.id]}
+    assert not [q for q in world.questions if q.kind == "graph_only" and tuple(q.gold_triples[0][:2]) in named]
+
+
+def test_routing_world_is_seeded(world):
+    again = generate_world(3, n_entities=240, n_questions=120, task="routing")
+    assert [q.question for q in again.questions] == [q.question for q in world.questions]
+    assert [p.id for p in again.corpus] == [p.id for p in world.corpus]
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"task": "route"}, "task must be"),
+    ({"task": "routing", "graph_only_relations": ("flies_to",)}, "unknown relations"),
+    ({"task": "routing", "graph_only_relations": ("directed_by",)}, "relations of a person"),
+    ({"task": "routing", "graph_only_relations": ()}, "non-empty"),
+    ({"task": "routing", "graph_only_share": 1.5}, "graph_only_share"),
+])
+def test_routing_config_errors(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        WorldConfig(**knobs)
+
+
+# ----------------------------------------------------------------------------- SFT modes
+
+
+def test_search_modes_golden_fixed_and_random(world):
+    qs = world.questions[:40]
+    assert with_search_modes(qs, "golden") == qs
+    fixed = with_search_modes(qs, "passage")
+    assert {s["mode"] for q in fixed for s in q.golden_trajectory} == {"passage"}
+    assert [s["query"] for q in fixed for s in q.golden_trajectory] == [s["query"] for q in qs for s in q.golden_trajectory]
+    drawn = with_search_modes(qs, ("passage", "graph"), seed=5)
+    modes = [q.golden_trajectory[0]["mode"] for q in drawn]
+    assert 8 < modes.count("graph") < 32
+    # independent of the golden mode: graph-only questions get both modes too
+    graph_only_modes = [m for q, m in zip(qs, modes) if q.kind == "graph_only"]
+    assert "passage" in graph_only_modes and "graph" in graph_only_modes
+    with pytest.raises(ValueError, match="non-empty"):
+        with_search_modes(qs, ())
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), order=st.permutations(range(12)))
+def test_random_modes_depend_only_on_seed_and_question(world, seed, order):
+    qs = world.questions[:12]
+    base = {q.id: q.golden_trajectory for q in with_search_modes(qs, ("passage", "graph"), seed)}
+    shuffled = with_search_modes([qs[i] for i in order], ("passage", "graph"), seed)
+    assert {q.id: q.golden_trajectory for q in shuffled} == base
+
+
+# ----------------------------------------------------------------------------- report arithmetic
+
+
+def _episode(qid, em, modes, cost):
+    return {"question_id": qid, "metrics": {"em": em, "modes": modes, "retrieval_cost": cost}}
+
+
+def test_typed_metrics_by_hand():
+    kinds = {"g1": "graph_only", "g2": "graph_only", "d1": "direct"}
+    episodes = [_episode("g1", 1.0, ["graph"], 100.0), _episode("g2", 0.0, ["passage", "hybrid"], 101.0),
+                _episode("d1", 1.0, [], 0.0)]
+    m = typed_metrics(episodes, kinds)
+    assert m["graph_only"] == {"n": 2, "em": 0.5, "graph_share": 2 / 3, "searches_per_question": 1.5, "cost_per_question": 100.5}
+    assert m["direct"]["graph_share"] is None and m["direct"]["em"] == 1.0
+    assert m["all"]["n"] == 3 and m["all"]["cost_per_question"] == pytest.approx(201 / 3)
+    assert graph_share(["passage", "passage", "graph", "hybrid"]) == 0.5
+    with pytest.raises(ValueError, match="no type"):
+        typed_metrics([_episode("zz", 1.0, [], 0.0)], kinds)
+
+
+def _run(seed, graph_em, graph_share_, cost1, cost2, em1=0.6, em2=0.6):
+    def stage(em_alias, share, cost, em_all):
+        return {"graph_only": {"em": em_alias, "graph_share": share, "cost_per_question": cost, "searches_per_question": 1.0},
+                "all": {"em": em_all, "graph_share": share, "cost_per_question": cost, "searches_per_question": 1.0}}
+
+    return {"seed": seed, "evaluations": {"after SFT": stage(graph_em[0], graph_share_[0], cost1, 0.5),
+                                          "after stage 1": stage(graph_em[1], graph_share_[1], cost1, em1),
+                                          "after stage 2": stage(graph_em[1], graph_share_[1], cost2, em2)}}
+
+
+def test_summary_effect_and_targets_by_hand():
+    runs = [_run(0, (0.2, 0.5), (0.4, 0.8), 100.0, 60.0, 0.6, 0.58), _run(1, (0.3, 0.5), (0.6, 0.9), 100.0, 80.0, 0.7, 0.7)]
+    table = summarise(runs)
+    assert table["after SFT"]["graph_only"]["em"]["mean"] == pytest.approx(0.25)
+    assert table["after stage 1"]["graph_only"]["graph_share"]["min"] == 0.8
+    effect = {(e["question_type"], e["metric"]): e for e in rl_effect(table, 2)}
+    assert effect[("graph_only", "em")]["after_sft"] == pytest.approx(0.25) and effect[("graph_only", "em")]["after_rl"] == 0.5
+    assert effect[("all", "cost_per_question")]["after_rl"] == 70.0 and effect[("all", "cost_per_question")]["seeds"] == 2
+    met = {t["name"]: t for t in targets(table)}
+    assert met["graph-only EM gain, stage 1 over SFT"]["value"] == pytest.approx(0.25) and met["graph-only EM gain, stage 1 over SFT"]["met"]
+    assert met["graph-only graph share after stage 1"]["value"] == pytest.approx(0.85)
+    assert met["cost per question, stage 2 / stage 1"]["value"] == pytest.approx(0.7)
+    # EM moved by -0.01 (0.65 -> 0.64) within the seed spread 0.12: met; a 0.2 drop would not be
+    assert met["EM change stage 1 -> stage 2 (all) vs seed spread"]["met"]
+    worse = targets(summarise([_run(0, (0.2, 0.3), (0.4, 0.5), 100.0, 90.0, 0.6, 0.3),
+                               _run(1, (0.3, 0.35), (0.6, 0.5), 100.0, 95.0, 0.62, 0.35)]))
+    assert not any(t["met"] for t in worse)
