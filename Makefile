@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip install --disable-pip-version-check -q
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install test test-integration test-slow demo bench clean
+.PHONY: install test test-integration test-cluster test-slow demo bench clean
 
 install: $(STAMP)
 
@@ -42,6 +42,12 @@ test: $(STAMP)
 # `make test`.
 test-integration: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m integration tests
+
+# A two-node Ray cluster on this machine (needs root and `unshare`): the worker node runs in its own
+# mount namespace with a private /tmp; GRPO steps, a checkpoint, a kill and a resume across the nodes,
+# and the storage checks (docs/cluster.md). CI runs it after `make test`; -s shows each phase's time.
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -s -m cluster tests/test_two_node.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -4,12 +4,16 @@ The runner owns environments (any registered id, with the wrappers ``gymnasium.m
 but no big data: their retrievers are clients of ``RetrievalService`` actors (one service, or
 one per knowledge base for R1-Router's routing env). It drives ``envs.rollout.MultiTurnRollout``
 with a ``RayBackend``, whose generation goes to rollout-worker actors and whose retrieval goes to
-the services, both asynchronously: while one wave of episodes waits for the engine, another
-wave's searches are being answered.
+the services, both asynchronously. In the async loop every episode is a coroutine awaiting its own
+engine requests, on the worker its session sticks to (a new session goes to the least-loaded
+worker), while the searches of all episodes waiting on retrieval go out as one batched call per
+service; in the wave loop one wave of episodes waits for the engine while another wave's searches
+are answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any, Sequence
 
@@ -29,8 +33,24 @@ class ServiceRetriever:
         return ray.get(self.service.retrieve.remote(list(queries), mode, k))
 
 
+def _has_method(actor, name: str) -> bool:
+    try:
+        getattr(actor, name)
+    except AttributeError:
+        return False
+    return True
+
+
 class RayBackend:
-    """Generation on rollout workers (round-robin), retrieval on the services; both async."""
+    """Generation on rollout workers, retrieval on the services; both asynchronous.
+
+    Wave loop: each wave's ``generate`` goes to the next worker (round-robin). Async loop: each
+    session (an episode, or one model call in ``replace`` mode) sticks to one worker, so a session
+    engine reuses its KV cache across the episode's turns; a new session goes to the worker with the
+    fewest open sessions (this runner's, plus the others' that ``load()`` reported when the rollout
+    started). A worker without ``generate_async`` is served through a ``BatchingSessionEngine``
+    over its ``generate``.
+    """
 
     def __init__(self, rollout_workers: Sequence[Any]):
         if not rollout_workers:
@@ -38,6 +58,71 @@ class RayBackend:
         self.workers = list(rollout_workers)
         self._next_worker = itertools.cycle(range(len(self.workers)))
         self._expand: dict[Any, list[tuple[int, int, int]]] = {}
+        self._session_api = [_has_method(w, "generate_async") for w in self.workers]
+        self._adapters: dict[int, Any] = {}
+        self._session_worker: dict[str, int] = {}
+        self.open_sessions = [0] * len(self.workers)  # this backend's sessions on each worker
+        self._others = [0] * len(self.workers)  # other runners' sessions when the rollout started
+
+    # ------------------------------------------------------------------ async loop
+    async def prepare(self) -> None:
+        """Learn how many sessions other runners hold on each worker (once per rollout)."""
+        import ray
+
+        asking = [i for i, api in enumerate(self._session_api) if api]
+        try:
+            loads = await asyncio.gather(*[self.workers[i].load.remote() for i in asking])
+        except ray.exceptions.RayError:  # a worker restarting: route on this runner's counts alone
+            return
+        for i, load in zip(asking, loads):
+            self._others[i] = max(0, int(load.get("sessions", 0)) - self.open_sessions[i])
+
+    def worker_of(self, session_id: str) -> int:
+        """The worker a session runs on; a new session goes to the least-loaded one."""
+        index = self._session_worker.get(session_id)
+        if index is None:
+            start = next(self._next_worker)  # ties rotate, so runners do not all pile onto worker 0
+            order = [(start + j) % len(self.workers) for j in range(len(self.workers))]
+            index = min(order, key=lambda i: self.open_sessions[i] + self._others[i])
+            self._session_worker[session_id] = index
+            self.open_sessions[index] += 1
+        return index
+
+    async def generate(self, session_id: str, context_token_ids, sampling, stop_strings, max_new_tokens: int):
+        index = self.worker_of(session_id)
+        worker = self.workers[index]
+        if self._session_api[index]:
+            return await worker.generate_async.remote(session_id, list(context_token_ids), sampling, list(stop_strings),
+                                                      int(max_new_tokens))
+        if index not in self._adapters:
+            from actors.engines.session_adapter import BatchingSessionEngine
+
+            async def generate_batch(prompts, sampling, stop_strings, max_new_tokens, worker=worker):
+                return await worker.generate.remote(prompts, sampling, list(stop_strings), int(max_new_tokens))
+
+            self._adapters[index] = BatchingSessionEngine(generate_batch=generate_batch)
+        return await self._adapters[index].generate_async(session_id, context_token_ids, sampling, stop_strings,
+                                                          max_new_tokens)
+
+    def end_session(self, session_id: str) -> None:
+        index = self._session_worker.pop(session_id, None)
+        if index is None:
+            return
+        self.open_sessions[index] -= 1
+        if self._session_api[index]:
+            self.workers[index].end_session.remote(session_id)  # frees the worker's cache; nothing to wait for
+        else:
+            self._adapters[index].end_session(session_id)
+
+    async def retrieve(self, requests: Sequence[RetrievalRequest]) -> list:
+        if not all(isinstance(r.retriever, ServiceRetriever) for r in requests):
+            from envs.stepping import run_retrieval
+
+            return await asyncio.to_thread(run_retrieval, list(requests))  # envs with in-process retrievers
+        ref = self.submit_retrieve(requests)
+        return self._expanded(ref, await ref)
+
+    # ------------------------------------------------------------------ wave loop
 
     def submit_generate(self, prompts, sampling, stop_strings, max_new_tokens):
         worker = self.workers[next(self._next_worker)]
@@ -50,7 +135,7 @@ class RayBackend:
             from envs.stepping import run_retrieval
 
             return ray.put(run_retrieval(list(requests)))  # envs with in-process retrievers
-        # One call per service and wave: group by (mode, k), deduplicate identical queries.
+        # One call per service and batch: group by (mode, k), deduplicate identical queries.
         by_service: dict[int, Any] = {}
         groups: dict[int, dict[tuple[str, int], dict[str, int]]] = {}
         for r in requests:
@@ -82,7 +167,10 @@ class RayBackend:
     def get(self, future):
         import ray
 
-        value = ray.get(future)
+        return self._expanded(future, ray.get(future))
+
+    def _expanded(self, future, value):
+        """Per request, its result out of the grouped answers of ``submit_retrieve``'s calls."""
         plan = self._expand.pop(future, None)
         if plan is None:
             return value

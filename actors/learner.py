@@ -57,6 +57,15 @@ Every pass runs micro-batches through ``raggym.algorithms.shared_prompt.pack_seq
 trimmed to their length, a prompt shared by several rows computed once (``share_prompts``), and
 logits only where a log-probability is needed; the numbers are those of the plain padded pass.
 
+Memory: the model runs only up to its final hidden states; the output head, the log-softmax, the
+entropy and the teacher KL then run ``logit_chunk_size`` positions at a time
+(``raggym.algorithms.logprobs.head_token_stats``, recomputed chunk by chunk in the backward), so
+no ``[tokens, vocabulary]`` tensor exists beyond one chunk. ``max_tokens_per_micro_batch`` splits a
+micro-batch further into passes of at most that many padded tokens; the optimizer still steps once
+per mini-batch and each pass's loss keeps its share, so the update is the same. Under ZeRO-3 the
+ranks agree on the number of passes and of head chunks (every one gathers weights with all ranks),
+and the policy and reference load partitioned in the training dtype (``policy_load_plan``).
+
 Logits are divided by ``temperature`` before every log-probability, so ``compute_logprobs`` with
 the rollout temperature reproduces the engine's ``processed`` logprobs (top-k/top-p off).
 
@@ -70,6 +79,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
@@ -79,19 +89,17 @@ from raggym.algorithms.losses import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
     clipped_policy_loss,
-    entropy_from_logits,
     kl_loss,
     selective_teacher_kl_loss,
     teacher_kl_weight,
-    teacher_topk,
-    topk_forward_kl,
 )
 from raggym.config_util import dataclass_from_mapping
 from raggym.models import LoraSettings, apply_lora
 
 from raggym.algorithms.batch import TrainBatch, make_train_batch  # noqa: F401  (re-exported)
 from raggym.algorithms.batch import teacher_kl_eligible, teacher_kl_span
-from raggym.algorithms.shared_prompt import PackedBatch, entry_logprobs, pack_sequences, shared_prompt_order
+from raggym.algorithms.logprobs import DEFAULT_CHUNK_SIZE, final_hidden_states, head_token_stats, head_topk, output_head
+from raggym.algorithms.shared_prompt import PackedBatch, pack_sequences, shared_prompt_order
 
 # ---------------------------------------------------------------------------------------------
 # configuration
@@ -153,6 +161,9 @@ class LearnerConfig:
     min_shared_prefix: int = 16  # tokens two rows must share before they are packed together
     old_logprobs: Literal["recompute", "rollout"] = "rollout"  # how π_old is obtained (see update)
     max_logprob_drift: float = 0.02  # "rollout": mean |log π_rollout − log π_learner| that forces recomputation
+    # Memory (``docs/benchmarks.md``, "Learner logits memory"); neither changes the update's numbers.
+    logit_chunk_size: int = DEFAULT_CHUNK_SIZE  # positions whose [chunk, V] logits exist at once; 0: all at once
+    max_tokens_per_micro_batch: int | None = None  # split a micro-batch so rows × longest row stays under this
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LearnerConfig" | None) -> "LearnerConfig":
@@ -205,6 +216,29 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
         raise ValueError(f"a batch of {n} sequences does not split evenly over {num_shards} learners")
     per = n // num_shards
     return [slice_batch(batch, slice(r * per, (r + 1) * per)) for r in range(num_shards)]
+
+
+def micro_pieces(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[slice]:
+    """Split rows ``0 … len(lengths) − 1`` into consecutive ranges for one forward pass each.
+
+    A range holds at most ``max_rows`` rows and, with a ``max_tokens`` budget, at most that many
+    padded tokens (rows × the longest row's length); a row longer than the budget goes alone.
+    Ranges never reorder rows, so rows that share a prompt stay together where the budget allows.
+    """
+    if int(max_rows) < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if max_tokens is not None and int(max_tokens) < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1 (or null: no budget), got {max_tokens}")
+    pieces, start, longest = [], 0, 0
+    for i, length in enumerate(int(n) for n in lengths):
+        rows, widest = i - start + 1, max(longest, length)
+        if i > start and (rows > max_rows or (max_tokens is not None and rows * widest > max_tokens)):
+            pieces.append(slice(start, i))
+            start, widest = i, length
+        longest = widest
+    if len(lengths):
+        pieces.append(slice(start, len(lengths)))
+    return pieces
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -283,6 +317,40 @@ def init_torch_distributed(rank: int, world_size: int, master_addr: str, master_
     )
 
 
+def policy_load_plan(config: LearnerConfig) -> tuple[torch.dtype, bool]:
+    """``(dtype, partitioned)``: how a learner loads its policy and reference weights.
+
+    ZeRO-3 loads them partitioned (each rank materialises only its 1/K shard of every weight, in
+    the training dtype: bf16 on GPU) through ``zero3_partitioned_loading``; loading full fp32
+    copies on every rank first would cost about 12 GB of host RAM per 3B model per rank. The
+    other stages keep every weight on every rank anyway: they load fp32 on the host and DeepSpeed
+    casts to the training dtype (bf16 on GPU, with fp32 master weights in the optimizer).
+    """
+    if config.zero_stage == 3:
+        return config.resolved_dtype(), True
+    return torch.float32, False
+
+
+@contextmanager
+def zero3_partitioned_loading(ds_config: Mapping[str, Any]):
+    """Inside, ``from_pretrained`` builds models under ``deepspeed.zero.Init`` (partitioned as created).
+
+    transformers looks the DeepSpeed config up through a weak reference to an ``HfDeepSpeedConfig``
+    object, so the object is held for the duration of the block and unregistered afterwards: a
+    model loaded later in the same process (another learner, a rollout engine) loads whole.
+    """
+    if int(ds_config.get("zero_optimization", {}).get("stage", 0)) != 3:
+        raise ValueError("partitioned loading is for ZeRO stage 3 configs")
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    registered = HfDeepSpeedConfig(dict(ds_config))  # noqa: F841  (kept alive: transformers holds a weak reference)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
 # ---------------------------------------------------------------------------------------------
 # Learner
 # ---------------------------------------------------------------------------------------------
@@ -354,32 +422,32 @@ class Learner:
             )
         if cfg.loss.aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(f"unknown loss aggregation {cfg.loss.aggregation!r}; expected one of {LOSS_AGGREGATIONS}")
+        if cfg.lora is not None and cfg.zero_stage == 3:
+            raise ValueError("LoRA with ZeRO-3 is not supported here: use ZeRO stage 0-2 (adapters are small)")
+        if cfg.logit_chunk_size < 0:
+            raise ValueError(f"logit_chunk_size must be >= 0 (0: all positions at once), got {cfg.logit_chunk_size}")
+        micro_pieces([], 1, cfg.max_tokens_per_micro_batch)  # a clear error for a budget below 1 token
         self.grad_accum = per_rank // cfg.micro_batch_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         dtype = cfg.resolved_dtype()
 
-        from raggym.models import load_policy
-
-        # Weights load in fp32; DeepSpeed casts to bf16 and keeps fp32 master copies itself.
-        model, self.tokenizer = load_policy(cfg.model, dtype=torch.float32, device="cpu")
+        self.ds_config = self._deepspeed_config(dtype)
+        model, self.tokenizer = self._load_policy()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         if cfg.lora is not None:
-            if cfg.zero_stage == 3:
-                raise ValueError("LoRA with ZeRO-3 is not supported here: use ZeRO stage 0-2 (adapters are small)")
             model = apply_lora(model, cfg.lora)
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         optimizer = torch.optim.AdamW(trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-        self.ds_config = self._deepspeed_config(dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         if self.world_size == 1 and cfg.zero_stage == 0:
             # Alone, the gradient all-reduce only copies every gradient into flat buckets and back.
             self.engine.enable_backward_allreduce = False
 
         if cfg.needs_reference():
-            ref, _ = load_policy(cfg.model, dtype=torch.float32, device="cpu")
+            ref, _ = self._load_policy()
             ref.requires_grad_(False)
             if cfg.zero_stage == 3:
                 # Partition the frozen copy too, so it costs 1/K of a model per rank.
@@ -389,6 +457,16 @@ class Learner:
                 self.reference = ref.to(device=self.device, dtype=dtype)
             self.reference.eval()
         return self.info()
+
+    def _load_policy(self):
+        """The policy (or a reference copy) and its tokenizer, as ``policy_load_plan`` says."""
+        from raggym.models import load_policy
+
+        dtype, partitioned = policy_load_plan(self.config)
+        if not partitioned:
+            return load_policy(self.config.model, dtype=dtype, device="cpu")
+        with zero3_partitioned_loading(self.ds_config):
+            return load_policy(self.config.model, dtype=dtype, device=str(self.device))
 
     def _deepspeed_config(self, dtype: torch.dtype) -> dict:
         cfg = self.config
@@ -427,10 +505,11 @@ class Learner:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _forward(self, model, token_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, model, token_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H]`` final hidden states of padded rows (no logits: the head runs per chunk)."""
         ids = token_ids.to(self.device)
         attn = attention_mask.to(self.device)
-        return model(input_ids=ids, attention_mask=attn, position_ids=_position_ids(attn), use_cache=False).logits
+        return final_hidden_states(model, ids, attn, _position_ids(attn))
 
     def _shares_prompts(self) -> bool:
         # The shared layout needs an arbitrary 4D mask, which the eager and SDPA attentions take
@@ -439,50 +518,81 @@ class Learner:
         impl = getattr(getattr(self.module, "config", None), "_attn_implementation", None)
         return self.config.share_prompts and impl in ("eager", "sdpa")
 
-    def _packed_logits(self, model, token_ids, attention_mask, needed) -> tuple[torch.Tensor, PackedBatch]:
-        """Logits ``[M, V]`` (unscaled) for the needed tokens of a micro-batch, in one forward pass.
+    def _packed_hidden(self, model, token_ids, attention_mask, needed) -> tuple[torch.Tensor, PackedBatch]:
+        """Final hidden states ``[M, H]`` of the positions that predict the needed tokens, in one forward pass.
 
-        Rows are trimmed to their length, a shared prompt runs once (``raggym.algorithms.shared_prompt``)
-        and only the positions that predict a needed token go through the output embedding.
+        Rows are trimmed to their length and a shared prompt runs once
+        (``raggym.algorithms.shared_prompt``); entry ``e`` predicts ``packed.targets[e]``. The
+        output head is applied later, a chunk of entries at a time (``head_token_stats``).
         """
         packed = pack_sequences(token_ids, attention_mask, needed, share_prefix=self._shares_prompts(),
                                 min_shared_tokens=self.config.min_shared_prefix,
                                 pad_token_id=int(getattr(self.tokenizer, "pad_token_id", None) or 0))
         dtype = next(self.module.parameters()).dtype
-        logits = model(
-            input_ids=packed.input_ids.to(self.device), attention_mask=packed.model_attention_mask(dtype).to(self.device),
-            position_ids=packed.position_ids.to(self.device), logits_to_keep=packed.keep.to(self.device), use_cache=False,
-        ).logits
-        if logits.ndim == 3:  # an HF version that returns [1, K, V] for a boolean keep mask
-            logits = logits.reshape(-1, logits.shape[-1])
+        hidden = final_hidden_states(model, packed.input_ids.to(self.device),
+                                     packed.model_attention_mask(dtype).to(self.device), packed.position_ids.to(self.device))
+        hidden = hidden[packed.keep.to(self.device)]  # [K, H], row-major like HF's logits_to_keep
         if packed.logit_index is not None:
-            logits = logits[packed.logit_index.to(self.device)]
+            hidden = hidden[packed.logit_index.to(self.device)]
         self._tokens_computed += packed.computed_tokens
         self._tokens_padded += packed.padded_tokens
-        return logits, packed
+        return hidden, packed
+
+    def _pieces(self, attention_mask: torch.Tensor, rows: int) -> list[slice]:
+        """Consecutive row ranges of at most ``rows`` rows within the token budget (``micro_pieces``)."""
+        return micro_pieces(attention_mask.sum(-1).tolist(), rows, self.config.max_tokens_per_micro_batch)
+
+    def _zero3_ranks_must_agree(self) -> bool:
+        # Under ZeRO-3 every forward of a module gathers its weights with all ranks, so every rank
+        # must run as many forwards (and call the output head as often) as the others.
+        return self.config.zero_stage == 3 and self.world_size > 1
+
+    def _agreed(self, count: int) -> int:
+        """The largest ``count`` over the ranks when they must agree (ZeRO-3), else ``count``."""
+        if not self._zero3_ranks_must_agree():
+            return count
+        agreed, _ = self._all_reduce(torch.tensor([float(count)]), _max_op())
+        return int(agreed)
+
+    def _head_chunks(self, positions: int) -> int | None:
+        """``num_chunks`` for ``head_token_stats`` / ``head_topk``: the ranks' largest chunk count under ZeRO-3."""
+        chunk = self.config.logit_chunk_size
+        if not self._zero3_ranks_must_agree() or not chunk:
+            return None  # without chunking the head runs once per forward on every rank
+        return self._agreed(max(1, math.ceil(positions / chunk)))
 
     @torch.no_grad()
     def _logprobs_with(self, model, token_ids, attention_mask, micro_batch_size, needed=None) -> torch.Tensor:
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         attention_mask = torch.ones_like(token_ids) if attention_mask is None else torch.as_tensor(attention_mask)
-        if needed is None:
-            needed = attention_mask.bool()
-        chunk = micro_batch_size or self.config.micro_batch_size
+        needed = attention_mask.bool() if needed is None else torch.as_tensor(needed).bool() & attention_mask.bool()
+        needed[:, 0] = False  # nothing predicts the first token
         out = torch.zeros(token_ids.shape, dtype=torch.float32)
+        head, temperature, chunk = output_head(model), self.config.temperature, self.config.logit_chunk_size
+        # the packed layout needs right padding; anything else runs as given, row by padded row
         right_padded = bool((attention_mask.long().cummin(-1).values == attention_mask.long()).all())
-        if not right_padded:  # the packed layout needs right padding; anything else runs as given
-            for start in range(0, token_ids.shape[0], chunk):
-                ids, attn = token_ids[start : start + chunk], attention_mask[start : start + chunk]
-                logits = self._forward(model, ids, attn).float() / self.config.temperature  # z / T
-                out[start : start + chunk] = token_logprobs(logits, ids.to(self.device)).cpu() * attn.to(torch.float32)
-            return out
-        order = shared_prompt_order(token_ids, attention_mask)
-        for start in range(0, token_ids.shape[0], chunk):
-            rows = order[start : start + chunk]
-            if not bool(needed[rows, 1:].any()) and self.config.zero_stage != 3:
-                continue  # (under ZeRO-3 every rank must run as many forwards as the others)
-            logits, packed = self._packed_logits(model, token_ids[rows], attention_mask[rows], needed[rows])
-            out[rows] = packed.scatter(entry_logprobs(logits, packed.targets, self.config.temperature)).cpu()
+        order = shared_prompt_order(token_ids, attention_mask) if right_padded else torch.arange(token_ids.shape[0])
+        pieces = self._pieces(attention_mask[order], micro_batch_size or self.config.micro_batch_size)
+        for p in range(self._agreed(len(pieces))):
+            if p >= len(pieces):  # a forward only to keep ZeRO-3 ranks in step
+                rows = order[pieces[-1]][:1]
+                hidden = self._hidden(model, token_ids[rows], attention_mask[rows])
+                head_token_stats(hidden[0, :0], head, token_ids[rows][0, :0], temperature, chunk, num_chunks=self._head_chunks(0))
+                continue
+            rows = order[pieces[p]]
+            if not bool(needed[rows].any()) and not self._zero3_ranks_must_agree():
+                continue
+            if right_padded:
+                hidden, packed = self._packed_hidden(model, token_ids[rows], attention_mask[rows], needed[rows])
+                targets, place = packed.targets, packed.scatter
+            else:
+                want = needed[rows, 1:]
+                hidden = self._hidden(model, token_ids[rows], attention_mask[rows])[:, :-1][want.to(self.device)]
+                targets = token_ids[rows, 1:][want]
+                place = lambda values, want=want: torch.nn.functional.pad(  # noqa: E731
+                    values.new_zeros(want.shape).masked_scatter(want.to(values.device), values), (1, 0))
+            lp = head_token_stats(hidden, head, targets, temperature, chunk, num_chunks=self._head_chunks(len(targets))).logprobs
+            out[rows] = place(lp).cpu()
         return out
 
     def compute_logprobs(self, token_ids, attention_mask=None, micro_batch_size: int | None = None,
@@ -506,23 +616,36 @@ class Learner:
 
     @torch.no_grad()
     def compute_teacher_topk(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher top-K logits/indices aligned to student token positions: ``[N, T, K]`` each."""
+        """Teacher top-K logits/indices aligned to student token positions: ``[N, T, K]`` each.
+
+        Filled where the student token has a teacher counterpart after the teacher's first token
+        (``teacher_positions > 0``, the only places the teacher KL reads), zeros elsewhere.
+        """
         if self.reference is None:
             raise RuntimeError("teacher KL needs the reference model")
         k = self.config.loss.teacher_top_k
         n, t = batch["token_ids"].shape
         values = torch.zeros((n, t, k), dtype=torch.float32)
         indices = torch.zeros((n, t, k), dtype=torch.long)
-        chunk = self.config.micro_batch_size
-        for start in range(0, n, chunk):
-            sl = slice(start, start + chunk)
-            logits = self._forward(self.reference, batch["teacher_token_ids"][sl], batch["teacher_attention_mask"][sl])
-            pos = batch["teacher_positions"][sl].to(self.device).long()
+        head = output_head(self.reference)
+        teacher_ids, teacher_attn = batch["teacher_token_ids"], batch["teacher_attention_mask"]
+        pieces = self._pieces(teacher_attn, self.config.micro_batch_size)
+        for p in range(self._agreed(len(pieces))):
+            sl = pieces[min(p, len(pieces) - 1)]
+            if p >= len(pieces):  # a forward only to keep ZeRO-3 ranks in step
+                hidden = self._hidden(self.reference, teacher_ids[sl][:1], teacher_attn[sl][:1])
+                head_topk(hidden[0, :0], head, k, self.config.logit_chunk_size, self._head_chunks(0))
+                continue
+            hidden = self._hidden(self.reference, teacher_ids[sl], teacher_attn[sl])
+            pos = batch["teacher_positions"][sl].long()
+            covered = pos > 0
             # Student token t is teacher token pos[t]; the teacher predicts it from position pos[t] − 1.
-            src = (pos - 1).clamp(min=0)
-            picked = logits.gather(1, src.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-            v, i = teacher_topk(picked, k)
-            values[sl], indices[sl] = v.float().cpu(), i.cpu()
+            rows = torch.arange(pos.shape[0])[:, None].expand_as(pos)[covered]
+            v, i = head_topk(hidden[rows.to(self.device), (pos[covered] - 1).to(self.device)], head, k,
+                             self.config.logit_chunk_size, self._head_chunks(int(covered.sum())))
+            piece_values, piece_indices = values[sl], indices[sl]
+            piece_values[covered], piece_indices[covered] = v.cpu(), i.cpu()
+            values[sl], indices[sl] = piece_values, piece_indices
         return values, indices
 
     # ------------------------------------------------------------------ update
@@ -545,10 +668,19 @@ class Learner:
         lc = self.config.loss
         mask = mb["loss_mask"].to(torch.float32).clone()
         mask[:, 0] = 0  # nothing predicts the first token
-        logits, packed = self._packed_logits(self.engine, mb["token_ids"], mb["attention_mask"], mask > 0)
+        hidden, packed = self._packed_hidden(self.engine, mb["token_ids"], mb["attention_mask"], mask > 0)
         mask = mask.to(self.device)
-        scaled = logits.float() / self.config.temperature  # z / T at the entries, [M, V]
-        log_probs = packed.scatter(entry_logprobs(scaled, packed.targets))
+        teacher = {}
+        if lc.teacher_kl:  # student logits (not divided by T) at the entries against the teacher's top-K there
+            teacher = {"teacher_values": packed.gather(mb["teacher_topk_values"]),
+                       "teacher_indices": packed.gather(mb["teacher_topk_indices"])}
+        # Entropy only at the trained positions (the full-vocabulary softmax is not free): the
+        # entries' logits are the distributions their tokens were drawn from.
+        head_stats = head_token_stats(
+            hidden, output_head(self.engine), packed.targets, self.config.temperature, self.config.logit_chunk_size,
+            entropy=True, entropy_grad=lc.entropy_coef > 0, num_chunks=self._head_chunks(hidden.shape[0]), **teacher,
+        )
+        log_probs = packed.scatter(head_stats.logprobs)  # log softmax(z / T) at the sampled tokens
         # Without old log-probs the weights have not moved since the rollout (first mini-batch of
         # a "rollout" update), so π_old is this very forward's value: ratio 1, as a recomputation gives.
         old = mb["old_logprobs"].to(self.device, torch.float32) if "old_logprobs" in mb else log_probs.detach()
@@ -566,20 +698,14 @@ class Learner:
             kl = kl_loss(log_probs, ref, mask, kind=lc.kl_kind, aggregation=lc.aggregation)
             loss = loss + lc.kl_coef * kl  # + β·KL(π_θ ‖ π_ref)
             stats["kl_loss"] = kl.item()
-        with torch.set_grad_enabled(lc.entropy_coef > 0):
-            # Entropy only at the trained positions (the full-vocabulary softmax is not free): the
-            # entries' logits are the distributions their tokens were drawn from.
-            entropy = aggregate_loss(packed.scatter(entropy_from_logits(scaled)), mask, lc.aggregation)
+        entropy = aggregate_loss(packed.scatter(head_stats.entropy), mask, lc.aggregation)
         if lc.entropy_coef > 0:
             loss = loss - lc.entropy_coef * entropy  # − c_H·H
         stats["entropy"] = entropy.item()
         stats["loss"] = loss.item()
         loss = loss * weight
         if lc.teacher_kl:
-            # Student logits (not divided by T) at the entries against the teacher's top-K there.
-            top_values = packed.gather(mb["teacher_topk_values"]).to(self.device)
-            top_indices = packed.gather(mb["teacher_topk_indices"]).to(self.device)
-            per_pos = packed.scatter(topk_forward_kl(logits[None], top_values[None], top_indices[None])[0])
+            per_pos = packed.scatter(head_stats.teacher_kl)
             span = teacher_kl_span(mb).to(self.device)
             low_eo = mb["evidence_overlap"].to(self.device) < lc.evidence_threshold  # EO < θ_P
             lam = teacher_kl_weight(step, lc.teacher_max_weight, lc.teacher_warmup_steps)  # λ̄·min(1, step/W)
@@ -687,7 +813,7 @@ class Learner:
         per_mini: list[dict[str, float]] = []  # loss-weighted stats of each mini-batch
         teacher_kl_sum = teacher_trajectories = 0.0
         grad_norms: list[float] = []
-        tokens = 0
+        tokens = micro_batches = 0
         for epoch in range(cfg.ppo_epochs):
             order = torch.randperm(n, generator=gen) if cfg.shuffle else torch.arange(n)
             for m0 in range(0, n, per_rank):
@@ -704,17 +830,28 @@ class Learner:
                 teacher_scale = self.world_size * self.grad_accum / n_low if n_low > 0 else 0.0
                 acc: dict[str, float] = {}
                 checked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-                for u0 in range(0, per_rank, cfg.micro_batch_size):
-                    micro = slice_batch(mini, slice(u0, u0 + cfg.micro_batch_size))
-                    # n_micro · K · GA / n_global (see the module docstring)
-                    weight = float(self._count(micro)) * self.world_size * self.grad_accum / total if total > 0 else 0.0
+                # Micro-batches of micro_batch_size rows, each split further under the token budget.
+                pieces = [slice(u0 + p.start, u0 + p.stop) for u0 in range(0, per_rank, cfg.micro_batch_size)
+                          for p in self._pieces(mini["attention_mask"][u0 : u0 + cfg.micro_batch_size], cfg.micro_batch_size)]
+                n_pieces = self._agreed(len(pieces))
+                micro_batches += n_pieces
+                for p in range(n_pieces):
+                    # Past its own count (ZeRO-3, other ranks split finer) a rank repeats its last
+                    # piece's first row with weight 0: a forward and backward that change nothing.
+                    filler = p >= len(pieces)
+                    micro = slice_batch(mini, slice(pieces[-1].start, pieces[-1].start + 1) if filler else pieces[p])
+                    # n_micro · K · GA / n_global (see the module docstring); GA is DeepSpeed's
+                    # divisor whatever the number of pieces, so the pieces' weights add up alike.
+                    weight = float(self._count(micro)) * self.world_size * self.grad_accum / total if total > 0 and not filler else 0.0
+                    # The optimizer steps after the mini-batch's last piece, however many there are.
+                    self.engine.set_gradient_accumulation_boundary(p == n_pieces - 1)
                     t0 = time.perf_counter()
-                    loss, stats, current = self._micro_loss(micro, weight, step, teacher_scale)
+                    loss, stats, current = self._micro_loss(micro, weight, step, teacher_scale if not filler else 0.0)
                     t1 = time.perf_counter()
                     self.engine.backward(loss)
                     seconds["forward"] += t1 - t0
                     seconds["backward"] += time.perf_counter() - t1
-                    if checking and "sampled_logprobs" in micro:
+                    if checking and "sampled_logprobs" in micro and not filler:
                         checked.append((micro["sampled_logprobs"], current.cpu(), micro["loss_mask"]))
                     boundary = self.engine.is_gradient_accumulation_boundary()
                     if boundary and checking and not single_update:
@@ -736,6 +873,8 @@ class Learner:
                         norm = norm if norm is not None else self._grad_norm()
                         if norm is not None and math.isfinite(norm):
                             grad_norms.append(norm)
+                    if filler:
+                        continue
                     tokens += int(micro["attention_mask"].sum())
                     n_traj = stats.pop("teacher_kl_trajectories", 0.0)
                     teacher_kl_sum += stats.pop("teacher_kl", 0.0) * n_traj
@@ -764,6 +903,7 @@ class Learner:
         metrics.update(
             grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             optimizer_steps=float(cfg.ppo_epochs * (n // per_rank)),
+            micro_batches=float(micro_batches),  # forward/backward passes (more than n / micro_batch_size under a token budget)
             tokens=float(tokens),
             tokens_computed=float(computed),
             padding_share=padded / (computed + padded) if computed + padded else 0.0,
@@ -970,10 +1110,10 @@ class LearnerGroup:
 
     def update(self, batch: TrainBatch, step: int | None = None) -> dict[str, float]:
         """Shard the batch over the learners, update, and return rank-averaged metrics."""
-        import ray
+        from actors.cluster import get_all  # a dead or OOM-killed rank raises now, not at NCCL's timeout
 
         shards = shard_batch(batch, self.num_learners)
-        per_rank = ray.get([l.update.remote(s, step) for l, s in zip(self.learners, shards)])
+        per_rank = get_all([l.update.remote(s, step) for l, s in zip(self.learners, shards)], what="learner update")
         self.version += 1
         metrics = _mean_metrics(per_rank)
         metrics["weight_version"] = float(self.version)
@@ -1060,9 +1200,9 @@ class LearnerGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run a ``Learner`` method on every learner and return the results (rank order)."""
-        import ray
+        from actors.cluster import get_all
 
-        return ray.get([getattr(l, method).remote(*args, **kwargs) for l in self.learners])
+        return get_all([getattr(l, method).remote(*args, **kwargs) for l in self.learners], what=f"learner {method}")
 
     def shutdown(self) -> None:
         import ray
@@ -1083,7 +1223,10 @@ __all__ = [
     "batch_size_of",
     "init_torch_distributed",
     "make_train_batch",
+    "micro_pieces",
+    "policy_load_plan",
     "shard_batch",
     "slice_batch",
     "token_logprobs",
+    "zero3_partitioned_loading",
 ]

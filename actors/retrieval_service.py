@@ -9,6 +9,11 @@
   in-process index uses) and to one graph replica (round-robin or least-loaded), and assembles
   ``QueryResult`` objects. It is a ``raggym.retrieval.Retriever`` whose dense index and graph
   ranking are remote, so its results are the in-process ones by construction (and tested).
+  It serves up to ``SERVICE_CONCURRENCY`` calls at once (a threaded actor): while one call waits
+  for its graph replica or shards, another is encoded and sent to the next replica, so concurrent
+  rollout batches overlap across replicas and shards. Its own mutable state (the replica choice,
+  the in-flight counts, the call count) is guarded by a lock, and so is query encoding (a fast
+  tokenizer must not be entered by two threads at once).
 
 ``start_retrieval_service`` creates the actors with declared resources, restarts and retries.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +32,7 @@ from raggym.retrieval import Retriever
 from raggym.retrieval.dense import merge_topk, search_shard_canonical
 
 RESTARTS = dict(max_restarts=3, max_task_retries=3)  # a killed actor comes back; its calls are retried
+SERVICE_CONCURRENCY = 8  # calls one RetrievalService actor serves at once (threads)
 
 
 def _set_threads(n: int | None) -> None:
@@ -118,6 +125,8 @@ class RetrievalService(Retriever):
     def __init__(self, index_dir: str, shards: Sequence[Any], replicas: Sequence[Any] = (), routing: str = "round_robin",
                  num_threads: int | None = 1):
         _set_threads(num_threads)
+        self._state_lock = threading.Lock()  # replica choice, in-flight counts, call count
+        self._encode_lock = threading.RLock()  # the embedder (and its lazy load): one thread at a time
         base = Retriever.load(index_dir, verify=False)
         if base.dense.config.shards != len(shards):
             raise ValueError(f"{index_dir}: the index has {base.dense.config.shards} shards but {len(shards)} shard actors were given")
@@ -133,9 +142,20 @@ class RetrievalService(Retriever):
         self.calls = 0
 
     def _pick_replica(self) -> int:
-        if self.routing == "least_loaded":
-            return int(np.argmin(self._in_flight))
-        return next(self._rr)
+        """Choose a replica and count the call in flight on it (the caller must release it)."""
+        with self._state_lock:
+            r = int(np.argmin(self._in_flight)) if self.routing == "least_loaded" else next(self._rr)
+            self._in_flight[r] += 1
+            return r
+
+    def encode_queries(self, texts):
+        with self._encode_lock:
+            return super().encode_queries(texts)
+
+    @property
+    def embedder(self):
+        with self._encode_lock:
+            return Retriever.embedder.fget(self)
 
     def _graph_rank(self, q_vecs: np.ndarray, k: int):
         import ray
@@ -143,14 +163,16 @@ class RetrievalService(Retriever):
         if not self.replicas:
             raise ValueError("graph retrieval needs at least one GraphReplica")
         r = self._pick_replica()
-        self._in_flight[r] += 1
         try:
+            # Blocks this call's thread only: the actor's other threads serve other calls meanwhile.
             return ray.get(self.replicas[r].graph_rank.remote(q_vecs, int(k)))
         finally:
-            self._in_flight[r] -= 1
+            with self._state_lock:
+                self._in_flight[r] -= 1
 
     def retrieve(self, queries, mode: str = "passage", k: int = 5):
-        self.calls += 1
+        with self._state_lock:
+            self.calls += 1
         return super().retrieve(queries, mode, k)
 
     def retrieve_groups(self, groups: Sequence[tuple[str, int, Sequence[str]]]):
@@ -163,23 +185,26 @@ class RetrievalService(Retriever):
 
 def start_retrieval_service(index_dir: str, *, num_replicas: int = 1, replica_per_node: bool = False,
                             routing: str = "round_robin", shard_cpus: float = 0.25, replica_cpus: float = 0.5,
-                            replica_gpus: float = 0.0, service_cpus: float = 0.5, name: str | None = None):
+                            replica_gpus: float = 0.0, service_cpus: float = 0.5, name: str | None = None,
+                            shard_resources: dict | None = None, replica_class: type = None):
     """Create shard, replica and service actors; returns ``(service, shards, replicas)`` handles.
 
     ``replica_per_node`` places one graph replica on each alive node (ignoring ``num_replicas``).
-    ``replica_gpus > 0`` runs PPR on CUDA inside the replica.
+    ``replica_gpus > 0`` runs PPR on CUDA inside the replica. ``shard_resources`` are custom Ray
+    resources every shard requests (to pin shards to labelled nodes). ``replica_class`` is the graph
+    replica's class (``GraphReplica`` or a subclass of it).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     meta = json.loads((Path(index_dir) / "dense" / "dense.json").read_text(encoding="utf-8"))
     n_shards = int(meta["config"]["shards"])
-    Shard = ray.remote(num_cpus=shard_cpus, **RESTARTS)(IndexShard)
+    Shard = ray.remote(num_cpus=shard_cpus, resources=dict(shard_resources or {}), **RESTARTS)(IndexShard)
     shards = [Shard.remote(str(index_dir), s) for s in range(n_shards)]
     has_graph = json.loads((Path(index_dir) / "manifest.json").read_text(encoding="utf-8")).get("has_graph")
     replicas = []
     if has_graph:
-        Replica = ray.remote(num_cpus=replica_cpus, num_gpus=replica_gpus, **RESTARTS)(GraphReplica)
+        Replica = ray.remote(num_cpus=replica_cpus, num_gpus=replica_gpus, **RESTARTS)(replica_class or GraphReplica)
         device = "cuda" if replica_gpus > 0 else "cpu"
         if replica_per_node:
             for node in [n for n in ray.nodes() if n.get("Alive")]:
@@ -187,10 +212,10 @@ def start_retrieval_service(index_dir: str, *, num_replicas: int = 1, replica_pe
                 replicas.append(Replica.options(scheduling_strategy=strategy).remote(str(index_dir), device))
         else:
             replicas = [Replica.remote(str(index_dir), device) for _ in range(num_replicas)]
-    Service = ray.remote(num_cpus=service_cpus, **RESTARTS)(RetrievalService)
+    Service = ray.remote(num_cpus=service_cpus, max_concurrency=SERVICE_CONCURRENCY, **RESTARTS)(RetrievalService)
     opts = {"name": name} if name else {}
     service = Service.options(**opts).remote(str(index_dir), shards, replicas, routing)
     return service, shards, replicas
 
 
-__all__ = ["GraphReplica", "IndexShard", "RetrievalService", "start_retrieval_service"]
+__all__ = ["SERVICE_CONCURRENCY", "GraphReplica", "IndexShard", "RetrievalService", "start_retrieval_service"]

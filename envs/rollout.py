@@ -21,10 +21,22 @@ Two kinds of environment, by ``context_mode``:
   sharing the episode's outcome. R1-Router's Step-GRPO resets such an env at a golden step
   (``EpisodeRequest.options``), so each of those episodes is exactly one call.
 
-The episodes are split into ``waves``. Each wave alternates: generate one segment for its
-active episodes -> ``begin_step`` -> retrieve for those that searched -> ``finish_step`` ->
-append observation tokens (or start the next call's prompt) -> generate again. With two or more
-waves in flight the loop always has work for both the engine and the retriever.
+Two ways to schedule the episodes (``RolloutConfig.loop``):
+
+- ``"async"`` (the default): every episode is its own asyncio coroutine that alternates an engine
+  request (``backend.generate``: one session per episode, or per model call in ``replace`` mode,
+  so a session engine reuses its KV cache across turns) and an environment step. No episode waits
+  for another, so a continuously batching engine always sees every episode that wants tokens.
+  Retrieval stays batched across episodes: a ``RetrievalBatcher`` collects the episodes' requests
+  until every live episode is waiting on retrieval, or for ``retrieval_batch_window_s`` at most,
+  and sends them as one batched (and de-duplicated) retrieval. Each turn samples with its own seed,
+  ``derive_seed`` of the run's seed, the episode's identity (prompt id, sample, step and its
+  occurrence among identical requests) and the turn number, so a rerun draws the same samples
+  whatever the timing, the batching or the engine replica.
+- ``"waves"``: the episodes are split into ``waves``. Each wave alternates: generate one segment
+  for its active episodes (one blocking ``generate``) -> ``begin_step`` -> retrieve for those that
+  searched -> ``finish_step`` -> append observation tokens (or start the next call's prompt) ->
+  generate again. With two or more waves in flight the engine and the retriever both have work.
 
 The token rules (exact sampled ids kept, observations tokenized once, loss mask 0 on prompt and
 observation tokens, response and observation caps) live in ``raggym.trajectory``. The loop adds
@@ -35,13 +47,19 @@ per episode (``max_response_tokens``) and, optionally, tokens of the whole conte
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import threading
+import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from envs.stepping import RetrievalRequest
 from envs.wrappers import batched_step_env
 from raggym.seeding import derive_seed
 from raggym.trajectory import Rollout, RolloutBuilder, chat_prompt_ids
+
+LOOPS = ("async", "waves")
 
 
 @dataclass(frozen=True)
@@ -60,11 +78,15 @@ class RolloutConfig:
     max_response_tokens: int = 512  # model tokens per episode, all turns (calls) together
     max_turn_tokens: int = 256  # model tokens per segment (one generation call)
     max_observation_tokens: int = 512  # tokens kept of each observation
-    waves: int = 2  # sub-batches in flight (pipelining generation against retrieval)
+    waves: int = 2  # "waves" loop: sub-batches in flight (pipelining generation against retrieval)
     # Tokens of one model context: prompt + model turns + observations (in "replace" mode, each
     # call's prompt and its sample). None: no cap beyond the response budget. A turn is cut to
     # the room left, an observation too, and the episode is truncated once the context is full.
     max_sequence_tokens: int | None = None
+    loop: str = "async"  # "async": one coroutine per episode; "waves": the wave loop
+    # "async" loop: how long the first pending retrieval waits for other episodes' requests before
+    # the batch goes out (it goes at once when every live episode is waiting on retrieval).
+    retrieval_batch_window_s: float = 0.02
 
     def __post_init__(self):
         for name in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens", "waves"):
@@ -72,6 +94,10 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.max_sequence_tokens is not None and self.max_sequence_tokens < 1:
             raise ValueError(f"RolloutConfig.max_sequence_tokens must be at least 1 or None, got {self.max_sequence_tokens}")
+        if self.loop not in LOOPS:
+            raise ValueError(f"RolloutConfig.loop must be one of {list(LOOPS)}, got {self.loop!r}")
+        if self.retrieval_batch_window_s < 0:
+            raise ValueError(f"RolloutConfig.retrieval_batch_window_s must be >= 0, got {self.retrieval_batch_window_s}")
 
 
 @dataclass
@@ -84,6 +110,8 @@ class _Slot:
     done: bool = False
     used: int = 0  # model tokens sampled over the whole episode
     finished: list[RolloutBuilder] = field(default_factory=list)  # earlier calls (replace mode)
+    seed: int | None = None  # "async" loop: the episode's own seed (turn t samples with derive_seed(seed, t))
+    turn: int = 0  # "async" loop: model calls made so far
 
 
 @dataclass
@@ -98,12 +126,124 @@ class _Wave:
         return [s for s in self.slots if not s.done]
 
 
+def episode_seed(seed: int, request: EpisodeRequest, occurrence: int = 0) -> int:
+    """The seed of one episode under the run's ``seed``: a function of the episode's identity only.
+
+    ``occurrence`` tells apart requests with the same prompt id, sample and step (the k-th such
+    request of a call), so two copies of one question never share a random stream.
+    """
+    key = f"{request.prompt_id}\x00{request.sample_index}\x00{request.step_index}\x00{occurrence}".encode()
+    return derive_seed(seed, int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+
+def run_coroutine(coro):
+    """Run ``coro`` to completion from synchronous code, even when this thread runs an event loop.
+
+    A caller inside a running loop (an async server handler that calls ``run``) cannot start a
+    second loop on its thread, so the coroutine then runs on a fresh thread's own loop.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    outcome: dict[str, Any] = {}
+
+    def target():
+        try:
+            outcome["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="raggym-rollout", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+class RetrievalBatcher:
+    """Gathers the retrieval requests of concurrent episodes into batched retrieval calls.
+
+    ``submit`` returns the request's result once its batch is answered. A batch goes out when
+    ``waiting_for()`` episodes (every live one) have submitted, or ``window_s`` after its first
+    request. ``serial`` keeps one batch in flight at a time (in-process retrievers are not made
+    for concurrent calls); requests that arrive meanwhile form the next batch.
+    """
+
+    def __init__(self, retrieve: Callable[[list[RetrievalRequest]], Any], waiting_for: Callable[[], int],
+                 window_s: float, *, serial: bool):
+        self._retrieve, self._waiting_for, self.window_s, self.serial = retrieve, waiting_for, float(window_s), serial
+        self._pending: list[tuple[RetrievalRequest, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._busy = False
+        self.batches: list[int] = []  # size of every batch sent (for tests and benchmarks)
+
+    async def submit(self, request: RetrievalRequest):
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        self.poke()
+        if self._pending and self._timer is None and not (self.serial and self._busy):
+            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
+        return await future
+
+    def poke(self) -> None:
+        """Send the pending batch now if every live episode is in it (called as episodes end)."""
+        if self._pending and len(self._pending) >= self._waiting_for() and not (self.serial and self._busy):
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._pending or (self.serial and self._busy):
+            return
+        batch, self._pending = self._pending, []
+        self.batches.append(len(batch))
+        self._busy = True
+        asyncio.get_running_loop().create_task(self._answer(batch))
+
+    async def _answer(self, batch) -> None:
+        try:
+            results = await self._retrieve([request for request, _ in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"retrieval returned {len(results)} results for {len(batch)} requests")
+        except BaseException as exc:  # noqa: BLE001 - every waiting episode sees the failure
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        else:
+            for (_, future), result in zip(batch, results):
+                if not future.done():
+                    future.set_result(result)
+        finally:
+            self._busy = False
+        if self._pending:  # what arrived while this batch was out goes next
+            self.poke()
+            if self._pending and self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
+
+
 class LocalBackend:
-    """Generation by an engine object, retrieval by each request's own retriever; synchronous."""
+    """Generation by an engine object, retrieval by each request's own retriever, in this process.
+
+    The wave loop calls ``submit_generate`` / ``submit_retrieve`` (synchronous). The async loop
+    awaits ``generate`` (the engine's ``generate_async`` when it is a ``SessionEngine``, else a
+    ``BatchingSessionEngine`` that gathers concurrent requests into ``generate`` calls) and
+    ``retrieve`` (on a thread, so that the engine keeps working while the retriever does).
+    """
+
+    serial_retrieval = True
 
     def __init__(self, engine):
-        self.engine = engine
+        from actors.engines.session_adapter import as_session_engine
 
+        self.engine = engine
+        self.sessions = as_session_engine(engine)
+
+    # ------------------------------------------------------------------ wave loop
     def submit_generate(self, prompts, sampling, stop_strings, max_new_tokens):
         return ("value", self.engine.generate(prompts, sampling, stop_strings, max_new_tokens))
 
@@ -118,6 +258,18 @@ class LocalBackend:
     def get(self, future):
         return future[1]
 
+    # ------------------------------------------------------------------ async loop
+    async def generate(self, session_id: str, context_token_ids, sampling, stop_strings, max_new_tokens: int):
+        return await self.sessions.generate_async(session_id, context_token_ids, sampling, stop_strings, max_new_tokens)
+
+    def end_session(self, session_id: str) -> None:
+        self.sessions.end_session(session_id)
+
+    async def retrieve(self, requests: Sequence[RetrievalRequest]) -> list:
+        from envs.stepping import run_retrieval
+
+        return await asyncio.to_thread(run_retrieval, list(requests))
+
 
 class MultiTurnRollout:
     """Run episodes to completion and return their ``Rollout`` records."""
@@ -127,6 +279,7 @@ class MultiTurnRollout:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.config = config or RolloutConfig()
+        self.retrieval_batches: list[int] = []  # "async" loop: sizes of the last run's retrieval batches
 
     def run(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[Rollout]:
         """One rollout per episode in request order; in ``replace`` mode, one per model call.
@@ -138,10 +291,82 @@ class MultiTurnRollout:
 
     def run_episodes(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[list[Rollout]]:
         """Per request, the rollouts of its episode (one, or one per model call in ``replace`` mode)."""
+        if self.config.loop == "waves":
+            return self._run_waves(envs, requests)
+        return run_coroutine(self.run_episodes_async(envs, requests))
+
+    def _start_all(self, envs, requests) -> list[_Slot]:
         if len(envs) != len(requests):
             raise ValueError(f"{len(envs)} environments but {len(requests)} episode requests")
         requests = [r if isinstance(r, EpisodeRequest) else EpisodeRequest(r, r.id) for r in requests]
-        slots = [self._start(env, request) for env, request in zip(envs, requests)]
+        return [self._start(env, request) for env, request in zip(envs, requests)]
+
+    # ------------------------------------------------------------------ the async loop
+    async def run_episodes_async(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[list[Rollout]]:
+        """``run_episodes`` with one coroutine per episode (``loop="async"``), awaitable."""
+        slots = self._start_all(envs, requests)
+        seed = None if self.sampling is None else self.sampling.seed
+        if seed is not None:
+            seen: dict[tuple, int] = {}
+            for slot in slots:
+                r = slot.request
+                key = (r.prompt_id, r.sample_index, r.step_index)
+                slot.seed = episode_seed(seed, r, seen.get(key, 0))
+                seen[key] = seen.get(key, 0) + 1
+        live = [len(slots)]
+        batcher = RetrievalBatcher(self.backend.retrieve, lambda: live[0], self.config.retrieval_batch_window_s,
+                                   serial=bool(getattr(self.backend, "serial_retrieval", False)))
+        run_id = uuid.uuid4().hex[:12]  # session ids must not collide with another runner's on a shared engine
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:
+            await prepare()
+
+        async def episode(index: int, slot: _Slot) -> None:
+            try:
+                await self._run_episode(slot, f"{run_id}:{index}", batcher)
+            finally:
+                live[0] -= 1
+                batcher.poke()
+
+        tasks = [asyncio.ensure_future(episode(i, slot)) for i, slot in enumerate(slots)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        self.retrieval_batches = list(batcher.batches)
+        return [self._finish(slot) for slot in slots]
+
+    async def _run_episode(self, slot: _Slot, episode_id: str, batcher: RetrievalBatcher) -> None:
+        stop = list(slot.stepper.stop_strings or ())
+        session_builder, session_id = None, None
+        try:
+            while not slot.done:
+                if slot.builder is not session_builder:  # a new model context: a new session
+                    if session_id is not None:
+                        self.backend.end_session(session_id)
+                    session_builder, session_id = slot.builder, f"{episode_id}:{len(slot.finished)}"
+                room = self._room(slot)
+                if room < 1:  # nothing left to sample (the budget checks after each step normally end it first)
+                    self._end_by_length(slot, "response_tokens")
+                    break
+                sampling = self.sampling
+                if slot.seed is not None:
+                    sampling = replace(sampling, seed=derive_seed(slot.seed, slot.turn))
+                slot.turn += 1
+                result = await self.backend.generate(session_id, list(slot.builder.rollout.token_ids), sampling, stop,
+                                                     min(self.config.max_turn_tokens, room))
+                outcome = self._apply_result(slot, result)
+                if isinstance(outcome, RetrievalRequest):
+                    outcome = slot.stepper.finish_step(outcome, await batcher.submit(outcome))
+                self._after_step(slot, outcome)
+        finally:
+            if session_id is not None:
+                self.backend.end_session(session_id)
+
+    # ------------------------------------------------------------------ the wave loop
+    def _run_waves(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[list[Rollout]]:
+        slots = self._start_all(envs, requests)
         n_waves = max(1, min(self.config.waves, len(slots)))
         waves = [_Wave(slots[i::n_waves], index=i) for i in range(n_waves)]
         outstanding: list = []
@@ -192,7 +417,7 @@ class MultiTurnRollout:
         outcome = record.outcome() if record is not None else None
         return [b.finish(episode, outcome) for b in (*slot.finished, slot.builder)]
 
-    # ------------------------------------------------------------------ steps of a wave
+    # ------------------------------------------------------------------ steps of a wave and of an episode
     def _submit_generation(self, wave: _Wave, submit) -> None:
         active = wave.active()
         if not active:
@@ -218,18 +443,22 @@ class MultiTurnRollout:
         if len(results) != len(group):
             raise RuntimeError(f"engine returned {len(results)} results for {len(group)} prompts")
         for slot, res in zip(group, results):
-            ids, logprobs, finish = list(res.token_ids), list(res.logprobs), res.finish_reason
-            room = self._room(slot)
-            if len(ids) > room:
-                ids, logprobs, finish = ids[:room], logprobs[:room], "length"
-            text = slot.builder.add_model_turn(ids, logprobs, finish_reason=finish,
-                                               weight_version=getattr(res, "weight_version", 0))
-            slot.used += len(ids)
-            outcome = slot.stepper.begin_step(text)
+            outcome = self._apply_result(slot, res)
             if isinstance(outcome, RetrievalRequest):
                 wave.requests.append((slot, outcome))
             else:
                 self._after_step(slot, outcome)
+
+    def _apply_result(self, slot: _Slot, res):
+        """Append one engine result to the episode (cut to its room) and begin the env step."""
+        ids, logprobs, finish = list(res.token_ids), list(res.logprobs), res.finish_reason
+        room = self._room(slot)
+        if len(ids) > room:
+            ids, logprobs, finish = ids[:room], logprobs[:room], "length"
+        text = slot.builder.add_model_turn(ids, logprobs, finish_reason=finish,
+                                           weight_version=getattr(res, "weight_version", 0))
+        slot.used += len(ids)
+        return slot.stepper.begin_step(text)
 
     def _apply_retrieval(self, wave: _Wave, results) -> None:
         for (slot, request), result in zip(wave.requests, results):
@@ -282,4 +511,5 @@ class MultiTurnRollout:
             self._end_by_length(slot, "sequence_tokens")
 
 
-__all__ = ["EpisodeRequest", "LocalBackend", "MultiTurnRollout", "RolloutConfig"]
+__all__ = ["LOOPS", "EpisodeRequest", "LocalBackend", "MultiTurnRollout", "RetrievalBatcher", "RolloutConfig",
+           "episode_seed", "run_coroutine"]

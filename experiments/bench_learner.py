@@ -24,6 +24,22 @@ forward, shared prompts). ``learner_over_plain`` = plain seconds ÷ same-pass le
 ``shared_prompt_speedup`` = learner seconds without ÷ with prompt sharing (higher is better)::
 
     python -m experiments.bench_learner --grpo-step --json
+
+Logits memory (``--memory``): peak host memory of one forward + backward of a policy-gradient
+loss with Qwen2.5-3B's vocabulary (151,936) and width (2,048) on a randomly initialised Qwen2
+(``--layers`` decoder layers, Qwen2.5-3B's other sizes, gradient checkpointing as in the GPU
+recipes, no download) over one ``--seq-len``-token sequence whose every position is trained. The
+tied embedding is frozen unless ``--train-embeddings``: its ``[V, H]`` gradients are the same in
+both variants. ``naive`` is the learner's former path (the model's
+``[T, V]`` logits, a float32 copy divided by the temperature, ``log_softmax`` at the targets and
+the entropy over all of them); ``chunked`` is the learner's path now (final hidden states, then
+``raggym.algorithms.logprobs.head_token_stats`` with ``--chunk`` positions at a time). Each
+variant runs in a fresh subprocess; its peak is the kernel's resident-set high-water mark
+(``VmHWM``, reset through ``/proc/self/clear_refs`` just before the pass) minus the resident set
+right before it, so it counts every allocation torch makes (activations, logits, gradients,
+parameter gradients), and nothing from building the model::
+
+    python -m experiments.bench_learner --memory --json
 """
 
 from __future__ import annotations
@@ -285,6 +301,131 @@ def run_grpo_step(args) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- logits memory
+
+QWEN25_3B_SHAPE = {"vocab_size": 151_936, "hidden_size": 2_048, "intermediate_size": 11_008,
+                   "num_attention_heads": 16, "num_key_value_heads": 2, "tie_word_embeddings": True}
+
+
+def _proc_bytes(field: str, path: str = "/proc/self/status") -> int:
+    """A ``kB`` line of ``/proc/self/status`` (VmRSS, VmHWM) or ``/proc/meminfo`` in bytes."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{path} has no {field}")
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets the peak resident set size (VmHWM) to the current one (Linux ≥ 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def memory_variant(variant: str, seq_len: int, layers: int, chunk: int, temperature: float, freeze_embeddings: bool = False,
+                   seed: int = 0) -> dict:
+    """One forward + backward of ``variant`` ("naive" | "chunked") in this process; peak bytes and results."""
+    import gc
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from raggym.algorithms.logprobs import final_hidden_states, head_token_stats, output_head
+    from raggym.algorithms.losses import entropy_from_logits
+    from raggym.algorithms.shared_prompt import entry_logprobs
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**QWEN25_3B_SHAPE, num_hidden_layers=layers, max_position_embeddings=max(32_768, seq_len))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    # as every GPU recipe trains: the layers' activations are recomputed in the backward
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if freeze_embeddings:  # the tied [V, H] embedding: its gradients are a fixed cost both variants pay alike
+        model.get_output_embeddings().weight.requires_grad_(False)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=g)
+    attn = torch.ones_like(ids)
+    positions = torch.arange(seq_len)[None]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[:, -1] = False  # the last position predicts nothing
+    targets = ids[0, 1:]
+    advantage = 1.0
+    gc.collect()
+    baseline = _proc_bytes("VmRSS")
+    _reset_peak_rss()
+    t0 = time.perf_counter()
+    if variant == "naive":
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=keep, use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1])
+        scaled = logits.float() / temperature
+        logprobs = entry_logprobs(scaled, targets)
+        with torch.no_grad():
+            entropy = entropy_from_logits(scaled)
+    elif variant == "chunked":
+        hidden = final_hidden_states(model, ids, attn, positions)[keep]
+        stats = head_token_stats(hidden, output_head(model), targets, temperature, chunk, entropy=True)
+        logprobs, entropy = stats.logprobs, stats.entropy
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    loss = -(logprobs * advantage).mean()  # the on-policy policy-gradient loss of one sequence
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    peak = _proc_bytes("VmHWM") - baseline
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return {"variant": variant, "peak_bytes": peak, "baseline_rss_bytes": baseline, "param_grad_bytes": grads,
+            "seconds": seconds, "logprobs": logprobs.detach().tolist(), "entropy_mean": float(entropy.mean()),
+            "norm_grad": model.model.norm.weight.grad.tolist()}
+
+
+def run_memory(args) -> dict:
+    """Both variants, each in a fresh subprocess (see the module docstring), and their comparison."""
+    import subprocess
+    import sys
+
+    logits_fp32 = (args.seq_len - 1) * QWEN25_3B_SHAPE["vocab_size"] * 4
+    available = _proc_bytes("MemAvailable", "/proc/meminfo")
+    # the naive pass holds about six float32 copies of the logits at its peak, plus [V, H] gradients
+    needed = 6 * logits_fp32 + (0 if not args.train_embeddings else 3 * QWEN25_3B_SHAPE["vocab_size"] * QWEN25_3B_SHAPE["hidden_size"] * 4)
+    if available < needed and not args.force:
+        raise SystemExit(f"the naive variant needs about {needed / 2**30:.1f} GiB and {available / 2**30:.1f} GiB "
+                         f"are available: lower --seq-len, free memory, or pass --force")
+    results = {}
+    for variant in ("naive", "chunked"):
+        cmd = [sys.executable, "-m", "experiments.bench_learner", "--memory-variant", variant, "--seq-len", str(args.seq_len),
+               "--layers", str(args.layers), "--chunk", str(args.chunk), "--temperature", str(args.temperature)]
+        if args.train_embeddings:
+            cmd.append("--train-embeddings")
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the {variant} variant failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    naive, chunked = results["naive"], results["chunked"]
+    diff = max(abs(a - b) for a, b in zip(naive["logprobs"], chunked["logprobs"]))
+    grad_diff = max(abs(a - b) for a, b in zip(naive["norm_grad"], chunked["norm_grad"]))
+    return {
+        "bench": "learner-logits-memory",
+        "shape": {**QWEN25_3B_SHAPE, "num_hidden_layers": args.layers, "batch": 1, "seq_len": args.seq_len,
+                  "trained_positions": args.seq_len - 1, "dtype": "float32", "temperature": args.temperature,
+                  "trainable_embeddings": args.train_embeddings, "gradient_checkpointing": True},
+        "chunk": args.chunk,
+        "naive_peak_bytes": naive["peak_bytes"],
+        "chunked_peak_bytes": chunked["peak_bytes"],
+        "chunked_over_naive": chunked["peak_bytes"] / naive["peak_bytes"],
+        "max_abs_logprob_diff": diff,
+        "max_abs_norm_weight_grad_diff": grad_diff,
+        "entropy_mean": {"naive": naive["entropy_mean"], "chunked": chunked["entropy_mean"]},
+        "param_grad_bytes": naive["param_grad_bytes"],
+        "one_fp32_logits_copy_bytes": logits_fp32,
+        "seconds": {"naive": naive["seconds"], "chunked": chunked["seconds"]},
+        "method": ("each variant in a fresh subprocess: peak = VmHWM after one forward+backward (reset via "
+                   "/proc/self/clear_refs right before it) minus VmRSS right before it; counts every torch CPU "
+                   "allocation of the pass, parameter gradients included, not the model's weights"),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "mem_total_bytes": _proc_bytes("MemTotal", "/proc/meminfo"),
+                 "mem_available_bytes_at_start": available, "torch": torch.__version__, "threads": args.threads or torch.get_num_threads()},
+    }
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -305,9 +446,32 @@ def main(argv=None) -> dict:
     p.add_argument("--min-tail", type=int, default=40, help="--grpo-step: shortest continuation")
     p.add_argument("--max-tail", type=int, default=100, help="--grpo-step: longest continuation")
     p.add_argument("--kl-coef", type=float, default=0.001, help="--grpo-step: β (0 skips the reference pass)")
+    p.add_argument("--memory", action="store_true", help="peak memory of full vs chunked logits (see above)")
+    p.add_argument("--memory-variant", choices=("naive", "chunked"), help=argparse.SUPPRESS)  # one --memory subprocess
+    p.add_argument("--layers", type=int, default=1, help="--memory: decoder layers of the random Qwen2")
+    p.add_argument("--chunk", type=int, default=None, help="--memory: positions per chunk (default: the learner's)")
+    p.add_argument("--temperature", type=float, default=1.0, help="--memory: the rollout temperature")
+    p.add_argument("--force", action="store_true", help="--memory: run even if memory looks short")
+    p.add_argument("--train-embeddings", action="store_true",
+                   help="--memory: train the tied embedding / output head too (its [V, H] gradients, about 3.7 GB, "
+                        "are the same in both variants; off by default so that the logits are what is compared)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory or args.memory_variant:
+        from raggym.algorithms.logprobs import DEFAULT_CHUNK_SIZE
+
+        args.chunk = args.chunk or DEFAULT_CHUNK_SIZE
+        if args.seq_len == p.get_default("seq_len"):
+            args.seq_len = 4096
+        if args.memory_variant:
+            result = memory_variant(args.memory_variant, args.seq_len, args.layers, args.chunk, args.temperature,
+                                    freeze_embeddings=not args.train_embeddings)
+            print(json.dumps(result))
+            return result
+        result = run_memory(args)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return result
     if not args.grpo_step:
         for name, default in (("prompt_len", 32), ("micro_batch", 2), ("zero_stage", 2)):
             if getattr(args, name) is None:

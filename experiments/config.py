@@ -91,9 +91,17 @@ class RolloutSection:
     max_observation_tokens: int = 128
     max_sequence_tokens: Optional[int] = None  # prompt + turns + observations of one context; None: no cap
     waves: int = 2
+    loop: str = "async"  # "async": one coroutine per episode over session engines; "waves": the wave loop
+    max_staleness: int = 0  # versions a trained sample's weights may lag the learner's (0: on-policy)
     worker_cpus: float = 0.5
-    worker_gpus: float = 0.0
+    worker_gpus: float = 0.0  # vllm: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)
     engine_kwargs: dict = field(default_factory=dict)
+    # Custom Ray resources each rollout worker / env runner requests, to pin them to labelled nodes.
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    # auto: vLLM engines get the pynccl broadcast, HF engines the object store; collective: the
+    # broadcast for HF engines too (gloo); object_store: always the object store.
+    weight_sync: Literal["auto", "object_store", "collective"] = "auto"
+    env_runner_resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,8 +119,9 @@ class AdvantageConfig:
 @dataclass
 class LearnerResources:
     num_cpus: Optional[float] = None
-    num_gpus: Optional[float] = None
+    num_gpus: Optional[float] = None  # None: 1 when the cluster has a GPU per learner, else 0 (docs/cluster.md)
     memory: Optional[int] = None
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per learner
 
 
 @dataclass
@@ -121,6 +130,7 @@ class RetrievalConfig:
     replicas: int = 1
     routing: str = "round_robin"
     replica_per_node: bool = False
+    shard_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per index shard
 
 
 @dataclass
@@ -206,6 +216,10 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     for key in ("run.steps", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_turn_tokens"):
         if get_path(c, key.split(".")) < 1:
             errs.append((key, "must be at least 1"))
+    if c["rollout"]["loop"] not in ("async", "waves"):
+        errs.append(("rollout.loop", f"must be 'async' or 'waves', got {c['rollout']['loop']!r}"))
+    if c["rollout"]["max_staleness"] < 0:
+        errs.append(("rollout.max_staleness", "must be non-negative (0: train on-policy samples only)"))
     ev = c["eval"]
     if ev["every"] > 0 and ev["questions"] < 1:
         errs.append(("eval.questions", "eval.every > 0 needs held-out questions (eval.questions ≥ 1)"))

@@ -113,6 +113,8 @@ def leaf_from_type(tp) -> Optional[Leaf]:
         items = {a for a in args if a is not Ellipsis}
         if len(items) == 1 and next(iter(items)) in (int, float, str):
             return Leaf(f"list[{next(iter(items)).__name__}]")
+    if tp in (tuple, list):  # a bare ``tuple``/``list`` annotation: YAML spells it as a list of anything
+        return Leaf("list[any]")
     return None
 
 

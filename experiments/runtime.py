@@ -59,7 +59,17 @@ def _rollout_config(cfg) -> RolloutConfig:
     sequence = getattr(ro, "max_sequence_tokens", None)
     return RolloutConfig(max_response_tokens=int(ro.max_response_tokens), max_turn_tokens=int(ro.max_turn_tokens),
                          max_observation_tokens=int(ro.max_observation_tokens), waves=int(ro.waves),
-                         max_sequence_tokens=None if sequence is None else int(sequence))
+                         max_sequence_tokens=None if sequence is None else int(sequence),
+                         loop=str(getattr(ro, "loop", "async")))
+
+
+def bound_staleness(cfg, rollouts: Sequence[Rollout], current_version: int) -> tuple[list[Rollout], dict[str, float]]:
+    """The rollouts a learner at ``current_version`` may train on under ``rollout.max_staleness``,
+    and how many were dropped (whole groups; ``raggym.staleness.drop_stale``)."""
+    from raggym.staleness import drop_stale
+
+    kept, dropped = drop_stale(rollouts, int(current_version), int(getattr(cfg.rollout, "max_staleness", 0)))
+    return kept, {"stale_rollouts_dropped": float(len(dropped))}
 
 
 def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
@@ -88,6 +98,9 @@ def engine_kwargs(cfg, *, in_process: bool) -> dict:
     kwargs = {"model": cfg.policy.model, **(to_plain(cfg.rollout.engine_kwargs) or {})}
     if cfg.rollout.engine == "hf" and not in_process:
         kwargs.setdefault("num_threads", 1)  # several engine actors share the cores
+    if cfg.rollout.engine == "vllm" and int(kwargs.get("tensor_parallel_size", 1)) > 1:
+        # The engine's actor holds all its GPUs in one bundle; vLLM's own worker processes use them.
+        kwargs.setdefault("distributed_executor_backend", "mp")
     return kwargs
 
 
@@ -190,13 +203,48 @@ class LocalRuntime(InProcessRollouts):
 # ----------------------------------------------------------------------------- Ray
 
 
+def engine_gpus(cfg) -> float:
+    """GPUs of one rollout engine: a vLLM engine gets one per tensor-parallel rank, an HF engine
+    ``rollout.worker_gpus``. A vLLM engine whose ``worker_gpus`` says otherwise is a config error."""
+    from experiments.config import ConfigError, to_plain
+
+    ro = cfg.rollout
+    if ro.engine != "vllm":
+        return float(ro.worker_gpus)
+    tp = int((to_plain(ro.engine_kwargs) or {}).get("tensor_parallel_size", 1))
+    if float(ro.worker_gpus) not in (0.0, float(tp)):
+        raise ConfigError(f"rollout.worker_gpus={ro.worker_gpus} but a vLLM engine with tensor_parallel_size={tp} "
+                          f"uses {tp} GPUs; set worker_gpus to {tp} (or leave it 0)")
+    return float(tp)
+
+
+def weight_sync_backend(cfg) -> str | None:
+    """How the trainer moves weights to the engines: ``None`` for the object store, else a
+    ``WeightSyncGroup`` backend. vLLM engines get the bucketed pynccl broadcast from the learner's
+    GPU (vLLM advises against shipping weights through ``collective_rpc``); HF engines the object
+    store, or with ``rollout.weight_sync: collective`` the gloo broadcast (its tested CPU twin)."""
+    mode = str(cfg.rollout.get("weight_sync", "auto"))
+    if mode == "object_store":
+        return None
+    if cfg.rollout.engine == "vllm":
+        return "pynccl"
+    return "gloo" if mode == "collective" else None
+
+
 class RayRuntime:
     """Retrieval services, rollout workers, env runners (one set per env-kwargs variant) and a
-    DeepSpeed learner group, as Ray actors; every actor is released by ``shutdown``."""
+    DeepSpeed learner group, as Ray actors; every actor is released by ``shutdown``.
+
+    Placement (docs/cluster.md): each rollout engine has a placement group of its own (one bundle,
+    ``engine_gpus`` GPUs); the learners share one (``STRICT_PACK`` when a node holds them all, so
+    ZeRO's collectives stay inside it, else ``PACK``). Learner resources come from the recipe and
+    the cluster (``actors.cluster.resolve_learner_resources``), never from the driver's devices.
+    """
 
     def __init__(self, cfg, index_dirs: dict[str, Path], corpus=None, *, with_learners: bool = True):
         import ray
 
+        from actors.cluster import bundle_of, in_group, learner_device, reserve, resolve_learner_resources
         from actors.engines.rollout_worker import RolloutWorker
         from actors.learner import LearnerGroup
         from actors.retrieval_service import RESTARTS, start_retrieval_service
@@ -206,33 +254,52 @@ class RayRuntime:
         self.cfg, self.corpus = cfg, corpus
         self.multi_kb = takes_knowledge_bases(cfg.env.id)
         r, ro = cfg.retrieval, cfg.rollout
-        self.services, self._others = {}, []
+        self.services, self._others, self._groups = {}, [], []
+        self._sync_backend = weight_sync_backend(cfg)
+        self._sync_ready = False
+        gpus = engine_gpus(cfg)
+        learner_options = None
+        if with_learners:  # checked before any actor starts: a vLLM engine with CPU learners fails here
+            learner_options = resolve_learner_resources(to_plain(cfg.learner_resources), int(cfg.num_learners),
+                                                        engine=ro.engine, engine_gpus=gpus * int(ro.workers))
         for name, path in index_dirs.items():
             service, shards, replicas = start_retrieval_service(str(path), num_replicas=int(r.replicas), routing=r.routing,
-                                                                replica_per_node=bool(r.replica_per_node))
+                                                                replica_per_node=bool(r.replica_per_node),
+                                                                shard_resources=to_plain(r.shard_resources))
             self.services[name] = service
             self._others += [*shards, *replicas]
-        Worker = RolloutWorker.as_remote(num_cpus=float(ro.worker_cpus), num_gpus=float(ro.worker_gpus), **RESTARTS)
-        self.workers = [Worker.remote(engine=ro.engine, **engine_kwargs(cfg, in_process=False))
-                        for _ in range(int(ro.workers))]
+        worker_options = {"num_cpus": float(ro.worker_cpus), "num_gpus": gpus,
+                          "resources": to_plain(ro.worker_resources) or {}}
+        Worker = RolloutWorker.as_remote(**worker_options, **RESTARTS)
+        self.workers = []
+        for i in range(int(ro.workers)):
+            group, _ = reserve([bundle_of(worker_options)], what=f"rollout engine {i}", strategy="PACK")
+            self._groups.append(group)
+            self.workers.append(Worker.options(**in_group(group)).remote(engine=ro.engine, **engine_kwargs(cfg, in_process=False)))
         self.tokenizer = load_policy_tokenizer(cfg.policy.model)
         self._runners: dict[str, list] = {}
         self.runners(None)  # the training env's runners start with everything else
         self.learners = None
         if with_learners:
-            self.learners = LearnerGroup(learner_config(cfg), num_learners=int(cfg.num_learners),
-                                         resources=to_plain(cfg.learner_resources))
+            group, _ = reserve([bundle_of(learner_options)] * int(cfg.num_learners), what="the learner group")
+            self._groups.append(group)
+            config = learner_config(cfg)
+            config["device"] = learner_device(learner_options, str(config.get("device", "auto")))
+            self.learners = LearnerGroup(config, num_learners=int(cfg.num_learners),
+                                         resources={**learner_options, **in_group(group)})
         ray.get([w.ping.remote() for w in self.workers] + [x.ping.remote() for x in self.runners(None)])
 
     def runners(self, env_kwargs: dict | None) -> list:
         """The env runners for ``env_kwargs`` (default: ``env.kwargs``), started on first use."""
         from actors.env_runner import EnvRunner
         from actors.retrieval_service import RESTARTS
+        from experiments.config import to_plain
 
         kwargs = _env_kwargs(self.cfg, env_kwargs, self.multi_kb)
         key = json.dumps(kwargs, sort_keys=True, default=repr)
         if key not in self._runners:
-            Runner = EnvRunner.as_remote(num_cpus=0.25, **RESTARTS)
+            Runner = EnvRunner.as_remote(num_cpus=0.25, resources=to_plain(self.cfg.rollout.env_runner_resources) or {},
+                                         **RESTARTS)
             services = self.services if self.multi_kb else next(iter(self.services.values()))
             rollout_cfg = vars(_rollout_config(self.cfg))
             self._runners[key] = [Runner.remote(self.cfg.env.id, services, self.workers, self.cfg.policy.model, kwargs,
@@ -245,14 +312,14 @@ class RayRuntime:
         return next(iter(self.services.values()))
 
     def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
-        import ray
+        from actors.cluster import get_all
 
         runners = self.runners(env_kwargs)
         n = len(runners)
         chunks = [list(requests[i::n]) for i in range(n)]
         refs = [runner.rollout.remote(chunk, sampling, self._gold_passages(chunk))
                 for runner, chunk in zip(runners, chunks) if chunk]
-        per_chunk = ray.get(refs)
+        per_chunk = get_all(refs, what="rollouts")  # a dead runner raises at once, not after the others
         # Runner i got requests i, i+n, ...: interleave the per-request lists back into request order.
         per_request: list[list[Rollout]] = [None] * len(requests)  # type: ignore[list-item]
         for i, episodes in enumerate(per_chunk):
@@ -269,10 +336,17 @@ class RayRuntime:
         return [self.corpus.by_id(pid).as_dict() for q in questions for pid in q.gold_passage_ids if pid in self.corpus]
 
     def sync_weights(self) -> dict[str, float]:
-        return self.learners.sync_weights(self.workers)
+        if self._sync_backend is None:
+            return self.learners.sync_weights(self.workers)
+        if not self._sync_ready:  # the broadcast group is built once, at the first sync
+            self.learners.init_weight_sync(self.workers, backend=self._sync_backend)
+            self._sync_ready = True
+        return self.learners.broadcast_weights(self.workers)
 
     def shutdown(self) -> None:
         import ray
+
+        from actors.cluster import release
 
         if self.learners is not None:
             self.learners.shutdown()
@@ -282,4 +356,5 @@ class RayRuntime:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        release(self._groups)
 

@@ -23,14 +23,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from experiments.config import ConfigError, load_config, to_plain, validate_config
 from experiments.training import (episode_requests, golden_steps_for, latest_checkpoint, load_run_data,
-                                  reward_schedule, round_seed_index, sampling_params, save_checkpoint,
-                                  sft_cold_start, step_metrics, dump_rollouts)
+                                  open_run_storage, restore_checkpoint, reward_schedule, round_seed_index,
+                                  sampling_params, save_checkpoint, sft_cold_start, step_metrics, dump_rollouts)
 
 
 def train(cfg) -> dict:
@@ -43,7 +42,7 @@ def train(cfg) -> dict:
     from actors.cluster import init_ray
     from actors.learner import LearnerConfig
     from experiments.evaluate import evaluate_episodes
-    from experiments.runtime import learner_config, make_runtime, takes_knowledge_bases
+    from experiments.runtime import bound_staleness, learner_config, make_runtime, takes_knowledge_bases
     from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
     from raggym.algorithms.batch import assemble_batch, teacher_fields
     from raggym.data.sampler import PromptSampler
@@ -51,7 +50,10 @@ def train(cfg) -> dict:
 
     validate_config(cfg)
     cfg = copy.deepcopy(cfg)  # the SFT cold start may point policy.model at its output
-    out_dir = Path(cfg.run.out_dir)
+    if cfg.runtime == "ray":
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    storage = open_run_storage(cfg)  # run.out_dir: a path every node sees, or a URI (docs/cluster.md)
+    out_dir = storage.local()  # the driver's logs (on remote storage: its staging copy)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
 
@@ -65,11 +67,9 @@ def train(cfg) -> dict:
     teacher_kl = bool((cfg.learner.get("loss") or {}).get("teacher_kl"))
     eval_every, eval_kwargs = int(cfg.eval.every), {**to_plain(cfg.env.kwargs), **to_plain(cfg.eval.env_kwargs)}
 
-    if cfg.runtime == "ray":
-        init_ray(cfg.ray.address, cfg.ray.num_cpus)
-    data = load_run_data(cfg, out_dir, multi_kb=takes_knowledge_bases(cfg.env.id))
+    data = load_run_data(cfg, storage, multi_kb=takes_knowledge_bases(cfg.env.id))
     schedule = reward_schedule(cfg)  # before the cold start: a judge's "policy" is the base model
-    sft = sft_cold_start(cfg, out_dir, data)
+    sft = sft_cold_start(cfg, storage, data)
     if sft is not None:
         cfg.policy.model = str(sft["policy_dir"])  # RL starts from the SFT policy
     golden_steps = golden_steps_for(cfg, data.questions)  # Step-GRPO: teacher-forced step groups
@@ -79,13 +79,12 @@ def train(cfg) -> dict:
     logger = MetricsLogger(out_dir)
     start_step, last = 0, {}
     try:
-        ckpt = latest_checkpoint(out_dir) if cfg.run.resume else None
+        ckpt = latest_checkpoint(storage) if cfg.run.resume else None
         if ckpt is not None:  # resume: learner state, sampler state, then the engines' weights
-            state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+            state = restore_checkpoint(rt.learners, storage, ckpt)
             if state.get("sft_policy_dir") != (sft or {}).get("policy_dir"):
                 raise RuntimeError(f"{ckpt} was trained from SFT policy {state.get('sft_policy_dir')!r}, "
                                    f"this run starts from {(sft or {}).get('policy_dir')!r}")
-            rt.learners.load_checkpoint(str(ckpt))
             sampler.load_state_dict(state["sampler"])
             start_step = int(state["step"])
             logger.rewind(start_step)  # steps logged after this checkpoint are about to be redone
@@ -97,12 +96,15 @@ def train(cfg) -> dict:
             t0 = time.perf_counter()
             # 1.-3. sample P prompts, roll out G samples each, score them; DAPO's dynamic sampling
             # resamples until P groups with non-uniform rewards are kept (at most max_rounds rounds).
-            kept, kept_rewards, dropped, rounds = [], [], 0, 0
+            kept, kept_rewards, dropped, rounds, stale_dropped = [], [], 0, 0, 0
             for rounds in range(1, (max_rounds if dynamic_sampling else 1) + 1):
                 questions = [data.questions[i] for i in sampler.next_batch(P)]                      # 1. sample
                 tag = f"{step}" if rounds == 1 else f"{step}.{rounds - 1}"
                 requests = episode_requests(questions, tag, G, golden_steps)
                 rollouts = rt.rollout(requests, sampling_params(cfg, round_seed_index(step, rounds - 1)))  # 2. rollout
+                # whole groups sampled by weights more than rollout.max_staleness versions old are dropped
+                rollouts, stale = bound_staleness(cfg, rollouts, rt.learners.version)
+                stale_dropped += int(stale["stale_rollouts_dropped"])
                 rewards = schedule(step)([r.outcome for r in rollouts])                           # 3. reward
                 keep = [True] * len(rollouts)
                 if dynamic_sampling:
@@ -124,7 +126,8 @@ def train(cfg) -> dict:
                 routes, advantages = advantages.routes, advantages.advantages
             record = {"step": step + 1, "stage": schedule.stage_at(step), "method": cfg.method,
                       **step_metrics(kept or rollouts, kept_rewards or rewards, advantages.tolist()),
-                      "sampling/rounds": rounds, "sampling/sampled_groups": P * rounds, "sampling/dropped_groups": dropped}
+                      "sampling/rounds": rounds, "sampling/sampled_groups": P * rounds, "sampling/dropped_groups": dropped,
+                      "sampling/stale_rollouts_dropped": stale_dropped}
 
             # 5. update, 6. sync (skipped when dynamic sampling kept no group with a learning signal)
             t2 = t3 = time.perf_counter()
@@ -162,7 +165,7 @@ def train(cfg) -> dict:
             if every > 0 and ((step + 1) % every == 0 or step + 1 == steps):
                 state = {"sampler": sampler.state_dict(), "weight_version": rt.learners.version,
                          "sft_policy_dir": (sft or {}).get("policy_dir")}
-                record["checkpoint"] = str(save_checkpoint(rt.learners, out_dir, step + 1, state,
+                record["checkpoint"] = str(save_checkpoint(rt.learners, storage, step + 1, state,
                                                            int(cfg.run.keep_checkpoints)))
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", em=f"{record['em']:.2f}")
             last = record
@@ -183,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    last = train(cfg)
+    from actors.storage import StorageError
+
+    try:
+        last = train(cfg)
+    except StorageError as exc:  # a run location some node cannot use: say which, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(last))
     else:

@@ -32,11 +32,53 @@ class RunData:
     index_dirs: dict[str, Path] = field(default_factory=dict)
 
 
-def load_run_data(cfg, out_dir: Path, *, multi_kb: bool = False) -> RunData:
-    """Questions and corpus from ``data.*``; the index (and R1-Router's table index) built once."""
-    from raggym.data import load_corpus, load_questions
+def open_run_storage(cfg) -> "RunStorage":
+    """``run.out_dir`` as the run's storage (docs/cluster.md).
+
+    With Ray running, a relative path on a cluster of several nodes is an error, and every alive
+    node is probed: it must read what the driver wrote and the driver what it wrote.
+    """
+    from actors.storage import RunStorage, check_storage_on_every_node
+
+    nodes = 1
+    if cfg.runtime == "ray":
+        import ray
+
+        if ray.is_initialized():
+            nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    for key in ("index_dir", "table_index_dir"):
+        if cfg.data.get(key):
+            RunStorage.resolve(cfg.data[key], nodes=nodes, what=f"data.{key}")
+    storage = RunStorage.resolve(cfg.run.out_dir, nodes=nodes)
+    if cfg.runtime == "ray" and nodes > 1:
+        check_storage_on_every_node(storage)
+    return storage
+
+
+def _stored_index(location, default: "RunStorage", rel: str, corpus, **build) -> Path:
+    """An index at ``location`` (or ``rel`` under the run's storage): built once, uploaded, and
+    staged on every node when the storage is remote; returns the local path every node can read."""
+    from actors.storage import RunStorage, stage_on_every_node
     from raggym.retrieval import ensure_index
 
+    storage, rel = (RunStorage.resolve(location), "") if location else (default, rel)
+    if storage.is_remote and not storage.exists(f"{rel}/manifest.json".lstrip("/")):
+        storage.upload(ensure_index(storage.local(rel), corpus, **build), rel)
+    elif not storage.is_remote:
+        return ensure_index(storage.local(rel), corpus, **build)
+    local = stage_on_every_node(storage, rel)
+    return ensure_index(local, corpus, **build)  # checks the staged index was built from this corpus
+
+
+def load_run_data(cfg, out_dir, *, multi_kb: bool = False) -> RunData:
+    """Questions and corpus from ``data.*``; the index (and R1-Router's table index) built once.
+
+    ``out_dir`` is the run's storage (``open_run_storage``) or a local directory.
+    """
+    from actors.storage import RunStorage
+    from raggym.data import load_corpus, load_questions
+
+    storage = out_dir if isinstance(out_dir, RunStorage) else RunStorage.resolve(out_dir)
     data = cfg.data
     world = None
     if data.source == "synthetic":
@@ -50,16 +92,15 @@ def load_run_data(cfg, out_dir: Path, *, multi_kb: bool = False) -> RunData:
         corpus = load_corpus(data.corpus)
         questions = load_questions(data.questions, corpus)
         openie = data.openie
-    index_dir = Path(data.index_dir) if data.index_dir else out_dir / "index"
-    index_dirs = {TEXT_KB: ensure_index(index_dir, corpus, openie=openie, shards=int(cfg.retrieval.shards))}
+    index_dirs = {TEXT_KB: _stored_index(data.index_dir, storage, "index", corpus, openie=openie,
+                                         shards=int(cfg.retrieval.shards))}
     if multi_kb:
         if world is not None and world.table_corpus is None:
             raise ConfigError("data.synthetic.attribute_kb: R1-Router needs a table knowledge base; set it to 'table'")
         if world is None and not data.table_corpus:
             raise ConfigError("data.table_corpus: R1-Router with data.source=files needs the table corpus file")
         tables = world.table_corpus if world is not None else load_corpus(data.table_corpus)
-        table_dir = Path(data.table_index_dir) if data.table_index_dir else out_dir / "index_table"
-        index_dirs[TABLE_KB] = ensure_index(table_dir, tables, shards=1)
+        index_dirs[TABLE_KB] = _stored_index(data.table_index_dir, storage, "index_table", tables, shards=1)
     n = int(cfg.eval.questions)  # the last eval.questions questions are held out, the rest train
     if n >= len(questions):
         raise ConfigError(f"eval.questions={n} leaves no training questions (the data has {len(questions)})")
@@ -182,16 +223,31 @@ def dump_rollouts(out_dir: Path, step: int, rollouts, rewards, advantages) -> No
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    root = out_dir / "checkpoints"
-    done = sorted(p for p in root.glob("step-*") if (p / "trainer_state.json").exists()) if root.exists() else []
-    return done[-1] if done else None
+CHECKPOINT_MARKER = "trainer_state.json"  # written last: a checkpoint directory without it does not exist
+
+
+def _as_storage(location):
+    from actors.storage import RunStorage
+
+    return location if isinstance(location, RunStorage) else RunStorage.resolve(location)
+
+
+def latest_checkpoint(out_dir):
+    """The newest committed checkpoint under ``out_dir`` (a local directory or a ``RunStorage``):
+    its ``Path`` on a filesystem, its URI on remote storage, ``None`` when there is none."""
+    storage = _as_storage(out_dir)
+    done = [name for name in storage.list_dirs("checkpoints")
+            if name.startswith("step-") and storage.exists(f"checkpoints/{name}/{CHECKPOINT_MARKER}")]
+    if not done:
+        return None
+    uri = storage.uri(f"checkpoints/{done[-1]}")
+    return uri if storage.is_remote else Path(uri)
 
 
 HOLD_CHECKPOINT_ENV = "RAGGYM_TEST_HOLD_CHECKPOINT"
 
 
-def _hold_before_commit(tmp: Path, step: int) -> None:
+def _hold_before_commit(tmp: str, step: int) -> None:
     """Test hook: with ``RAGGYM_TEST_HOLD_CHECKPOINT=<step>`` the save of that step stops after
     every file is written and before the commit, says so on stdout and waits (an hour), so that a
     test can kill the trainer in the middle of a save at a known point (tests/test_train_e2e.py)."""
@@ -204,23 +260,75 @@ def _hold_before_commit(tmp: Path, step: int) -> None:
         time.sleep(3600)
 
 
-def save_checkpoint(learners, out_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
-    """Write into a temp dir, then rename: a crash never leaves a checkpoint that looks complete.
+def _learner_actors(learners) -> list:
+    """The Ray actors of a ``LearnerGroup`` (rank order); none for the in-process group."""
+    return list(getattr(learners, "learners", None) or [])
 
-    The learners (possibly remote actors) write the policy and optimizer into the temp dir
-    themselves, so it cannot be a helper-owned temporary; ``trainer_state.json`` is written last.
+
+def _upload_in_actor(actor_self, storage_root: str, local_dir: str, rel: str) -> None:
+    from actors.storage import RunStorage
+
+    RunStorage(storage_root).upload(local_dir, rel)
+    shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def _download_in_actor(actor_self, storage_root: str, rel: str) -> str:
+    from actors.storage import RunStorage
+
+    return str(RunStorage(storage_root).download(rel))
+
+
+def save_checkpoint(learners, out_dir, step: int, trainer_state: dict, keep: int):
+    """Write step ``step``'s checkpoint under ``out_dir`` (a ``RunStorage`` or a local directory).
+
+    The learners write the policy and optimizer, the driver ``trainer_state.json``, all into
+    ``checkpoints/.tmp-step-N`` on the run's storage; then this process alone commits it
+    (``RunStorage.commit_directory``: a rename, or on an object store a copy with the marker
+    written last), so a crash never leaves a checkpoint that looks complete, and it does not
+    matter which nodes the driver and learner rank 0 run on. With remote storage rank 0 writes
+    into its node's staging directory and uploads from there (inside its own actor).
     """
-    root = out_dir / "checkpoints"
-    final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    learners.save_checkpoint(str(tmp))
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}), encoding="utf-8")
-    _hold_before_commit(tmp, step)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)  # the commit: only now does latest_checkpoint see this step
-    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    import ray
+
+    storage = _as_storage(out_dir)
+    tmp_rel, final_rel = f"checkpoints/.tmp-step-{step:06d}", f"checkpoints/step-{step:06d}"
+    storage.remove(tmp_rel)
+    actors = _learner_actors(learners)
+    learners.save_checkpoint(str(storage.local(tmp_rel)))
+    if storage.is_remote:
+        if actors:  # rank 0 wrote into its own node's staging directory
+            ray.get(actors[0].__ray_call__.remote(_upload_in_actor, storage.root, str(storage.local(tmp_rel)), tmp_rel))
+        else:
+            storage.upload(storage.local(tmp_rel), tmp_rel)
+            shutil.rmtree(storage.local(tmp_rel), ignore_errors=True)
+    storage.write_text(f"{tmp_rel}/{CHECKPOINT_MARKER}", json.dumps({"step": step, **trainer_state}))
+    _hold_before_commit(storage.uri(tmp_rel), step)
+    storage.commit_directory(tmp_rel, final_rel, CHECKPOINT_MARKER)  # only now does latest_checkpoint see it
+    steps = [n for n in storage.list_dirs("checkpoints") if n.startswith("step-")]
+    for old in steps[:-keep] if keep > 0 else []:
+        storage.remove(f"checkpoints/{old}")
+    return storage.uri(final_rel) if storage.is_remote else Path(storage.uri(final_rel))
+
+
+def restore_checkpoint(learners, out_dir, checkpoint) -> dict:
+    """Load ``checkpoint`` (from ``latest_checkpoint``) into the learners; returns its trainer state.
+
+    With remote storage every learner rank downloads it to its node's staging directory first.
+    """
+    import ray
+
+    storage = _as_storage(out_dir)
+    rel = str(checkpoint)[len(storage.uri()):].lstrip("/")
+    state = json.loads(storage.read_text(f"{rel}/{CHECKPOINT_MARKER}"))
+    local = str(storage.local(rel))
+    if storage.is_remote:
+        actors = _learner_actors(learners)
+        if actors:
+            ray.get([a.__ray_call__.remote(_download_in_actor, storage.root, rel) for a in actors])
+        else:
+            storage.download(rel)
+    learners.load_checkpoint(local)
+    return state
 
 
 # ----------------------------------------------------------------------------- SFT cold start
@@ -229,19 +337,22 @@ def save_checkpoint(learners, out_dir: Path, step: int, trainer_state: dict, kee
 def sft_cold_start(cfg, out_dir: Path, data: RunData) -> dict | None:
     """GraphRAG-R1's cold start: SFT on golden episodes before RL, once per run.
 
-    Its summary (``<out_dir>/sft/sft_summary.json``, written last and atomically) records the
-    fine-tuned policy directory; a resumed run reads it instead of training again.
+    Its summary (``sft/sft_summary.json`` on the run's storage, written last and atomically)
+    records the fine-tuned policy directory; a resumed run reads it instead of training again.
     """
     if not cfg.sft.enabled:
         return None
-    summary_path = out_dir / "sft" / "sft_summary.json"
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text(encoding="utf-8"))
-        if (Path(summary["policy_dir"]) / "config.json").exists():
-            print(f"[train] SFT cold start already done: {summary['policy_dir']}", flush=True)
-            return summary
-    if cfg.run.resume and latest_checkpoint(out_dir) is not None:
-        raise RuntimeError(f"{out_dir} has RL checkpoints but no SFT summary at {summary_path}; "
+    from actors.storage import stage_on_every_node
+
+    storage = _as_storage(out_dir)
+    summary_rel = "sft/sft_summary.json"
+    if storage.exists(summary_rel) and storage.exists("sft/policy/config.json"):
+        summary = json.loads(storage.read_text(summary_rel))
+        stage_on_every_node(storage, "sft/policy")  # remote storage: a local copy on every node
+        print(f"[train] SFT cold start already done: {summary['policy_dir']}", flush=True)
+        return summary
+    if cfg.run.resume and latest_checkpoint(storage) is not None:
+        raise RuntimeError(f"{storage.uri()} has RL checkpoints but no SFT summary at {storage.uri(summary_rel)}; "
                            "the RL policy's starting point is unknown (restore the sft/ folder or start a new run)")
     import envs
     from experiments.sft import golden_examples, run_sft
@@ -259,6 +370,13 @@ def sft_cold_start(cfg, out_dir: Path, data: RunData) -> dict | None:
                                load_policy_tokenizer(cfg.policy.model), corpus=data.corpus, top_k=top_k,
                                max_observation_tokens=int(cfg.rollout.max_observation_tokens), env_kwargs=env_kwargs,
                                show_progress=True)
-    return run_sft(cfg.policy.model, examples, out_dir / "sft", epochs=int(s.epochs), lr=float(s.lr),
-                   batch_size=int(s.batch_size), grad_accum=int(s.grad_accum), max_seq_tokens=int(s.max_seq_tokens),
-                   seed=int(cfg.run.seed), lora=to_plain(s.lora), num_threads=cfg.learner.get("num_threads"))
+    # The policy is written to sft/policy under the storage (its staging copy when remote), whose
+    # local path is the same on every node: that path is what the summary records.
+    summary = run_sft(cfg.policy.model, examples, storage.local("sft"), epochs=int(s.epochs), lr=float(s.lr),
+                      batch_size=int(s.batch_size), grad_accum=int(s.grad_accum), max_seq_tokens=int(s.max_seq_tokens),
+                      seed=int(cfg.run.seed), lora=to_plain(s.lora), num_threads=cfg.learner.get("num_threads"))
+    if storage.is_remote:
+        storage.upload(storage.local("sft/policy"), "sft/policy")
+        storage.write_text(summary_rel, json.dumps(summary))  # last: its presence means the policy is stored
+        stage_on_every_node(storage, "sft/policy")
+    return summary

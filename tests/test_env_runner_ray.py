@@ -62,3 +62,31 @@ def test_every_episode_gets_exactly_the_in_process_hits(ray_session, sharded_ind
     # groups) and repeated (mode, query) pairs (de-duplicated to one query each).
     assert any(len({mode for mode, _ in s}) > 1 for s in searches_by_wave_turn.values())
     assert any(max(Counter(s).values()) > 1 for s in searches_by_wave_turn.values())
+
+
+def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_session, sharded_index, small_world, tmp_path):
+    import json
+
+    log = tmp_path / "calls.jsonl"
+    service, _, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
+    Worker = RolloutWorker.as_remote(num_cpus=0.25)
+    workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT, delay_s=0.3, call_log=str(log))
+               for _ in range(2)]
+    Runner = EnvRunner.as_remote(num_cpus=0.25)
+    config = {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512, "loop": "async"}
+    both = Runner.remote("raggym/RouteRAG-v0", service, workers, "smollm2-135m", {"top_k": TOP_K}, config)
+    requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in small_world.questions[:4] for g in range(2)]
+    episodes = ray.get(both.rollout.remote(requests, SamplingParams(seed=11)), timeout=300)
+
+    calls = [json.loads(line) for line in log.read_text().splitlines() if '"start"' in line]
+    pids_of_session: dict[str, set] = {}
+    for call in calls:
+        pids_of_session.setdefault(call["session"], set()).add(call["pid"])
+    assert len(pids_of_session) == len(requests)  # one session per episode
+    assert all(len(pids) == 1 for pids in pids_of_session.values())  # every turn on the session's worker
+    assert sorted(Counter(next(iter(p)) for p in pids_of_session.values()).values()) == [4, 4]  # least-loaded
+    assert len(calls) == 3 * len(requests)  # search, search, answer
+    # the samples depend on the episodes, not on the workers they ran on
+    alone = Runner.remote("raggym/RouteRAG-v0", service, workers[:1], "smollm2-135m", {"top_k": TOP_K}, config)
+    same = ray.get(alone.rollout.remote(requests, SamplingParams(seed=11)), timeout=300)
+    assert [[r.token_ids for r in e] for e in same] == [[r.token_ids for r in e] for e in episodes]

@@ -15,7 +15,16 @@ import gc
 import pytest
 import torch
 
-from actors.learner import Learner, LearnerConfig, make_train_batch, shard_batch, token_logprobs
+from actors.learner import (
+    Learner,
+    LearnerConfig,
+    make_train_batch,
+    micro_pieces,
+    policy_load_plan,
+    shard_batch,
+    token_logprobs,
+    zero3_partitioned_loading,
+)
 
 LENGTHS = (30, 22, 26, 18)  # unequal, so per-micro-batch means differ from the global token mean
 PROMPT = 10
@@ -170,6 +179,102 @@ def test_zero_stages_and_accumulation_give_the_same_step(stage_runs):
             scale = float(ref_delta.abs().max())
             assert scale > 0
             torch.testing.assert_close(delta, ref_delta, atol=1e-3 * scale, rtol=1e-3)
+
+
+def assert_same_first_step(run: dict, ref: dict, keys=("pg_loss", "entropy", "loss")) -> None:
+    """Two learners' first updates (``stage_runs`` entries) took the same step from the same weights."""
+    for key in keys:
+        assert run["first"][key] == pytest.approx(ref["first"][key], rel=1e-5, abs=1e-6), key
+    assert run["first"]["grad_norm"] == pytest.approx(ref["first"]["grad_norm"], rel=1e-4)
+    for name in WATCHED:
+        torch.testing.assert_close(run["before"][name], ref["before"][name], atol=0, rtol=0)
+        ref_delta = ref["after"][name] - ref["before"][name]
+        scale = float(ref_delta.abs().max())
+        assert scale > 0
+        torch.testing.assert_close(run["after"][name] - run["before"][name], ref_delta, atol=1e-3 * scale, rtol=1e-3)
+
+
+def one_update(cfg: LearnerConfig, batch, step: int = 0) -> tuple[Learner, dict]:
+    learner = Learner(cfg)
+    before = snapshot(learner)
+    first = learner.update(batch, step=step)
+    return learner, {"first": first, "before": before, "after": snapshot(learner)}
+
+
+def test_chunked_logits_leave_the_zero3_step_unchanged(stage_runs, batch):
+    # 3 positions per chunk: about 30 chunks of logits per micro-batch, each recomputed in the
+    # backward inside ZeRO-3's gathered head and under gradient checkpointing of the layers.
+    learner, run = one_update(config(zero_stage=3, micro_batch_size=4, gradient_checkpointing=True, logit_chunk_size=3), batch)
+    assert learner.config.logit_chunk_size == 3 and stage_runs[3]["first"]["micro_batches"] == 1
+    assert_same_first_step(run, stage_runs[3])
+
+
+def test_chunked_logits_keep_the_reference_kl_and_teacher_terms(stage_runs):
+    teacher_batch, unchunked = stage_runs["teacher_batch"], stage_runs["learner"]
+    cfg = config(zero_stage=1, micro_batch_size=2, logit_chunk_size=3,
+                 loss={"kl_coef": 0.1, "teacher_kl": True, "teacher_top_k": 16})
+    learner = Learner(cfg)
+    ids, attn = teacher_batch["token_ids"], teacher_batch["attention_mask"]
+    # the references never train: both learners' must agree, chunked or not
+    torch.testing.assert_close(learner.compute_ref_logprobs(ids, attn), unchunked.compute_ref_logprobs(ids, attn), atol=1e-5, rtol=0)
+    values, indices = learner.compute_teacher_topk(teacher_batch)
+    want_values, want_indices = unchunked.compute_teacher_topk(teacher_batch)
+    covered = teacher_batch["teacher_positions"] > 0
+    assert torch.equal(indices[covered], want_indices[covered])
+    torch.testing.assert_close(values, want_values, atol=1e-5, rtol=0)
+    before = snapshot(learner)
+    first = learner.update(teacher_batch, step=0)
+    run = {"first": first, "before": before, "after": snapshot(learner)}
+    assert_same_first_step(run, stage_runs[1], keys=("pg_loss", "entropy", "loss", "kl_loss", "teacher_kl"))
+
+
+def test_micro_pieces_respect_rows_and_the_token_budget():
+    assert micro_pieces([5, 5, 5, 5], 2) == [slice(0, 2), slice(2, 4)]
+    assert micro_pieces([5, 5, 5], 4) == [slice(0, 3)]
+    # padded tokens = rows × longest row: 2 × 10 fits 20, 3 × 10 does not; 2 × 12 does not
+    assert micro_pieces([10, 3, 3, 12, 2], 4, max_tokens=20) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
+    assert micro_pieces([3, 3, 3, 3, 3, 3, 3], 4, max_tokens=9) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert micro_pieces([50, 1], 4, max_tokens=20) == [slice(0, 1), slice(1, 2)]  # too long for the budget: alone
+    assert micro_pieces([], 4, max_tokens=20) == []
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        micro_pieces([1], 1, max_tokens=0)
+    with pytest.raises(ValueError, match="max_rows"):
+        micro_pieces([1], 0)
+
+
+def test_a_token_budget_splits_micro_batches_without_changing_the_step(stage_runs, batch):
+    # 4 rows of 18-30 tokens in one micro-batch (ZeRO-2, one accumulation step): a 60-token
+    # budget allows 2 rows a pass, so the optimizer steps after 2 passes with the same gradient.
+    _, run = one_update(config(zero_stage=2, micro_batch_size=4, max_tokens_per_micro_batch=60), batch)
+    assert stage_runs[2]["first"]["micro_batches"] == 1 and run["first"]["micro_batches"] == 2
+    assert run["first"]["optimizer_steps"] == 1.0 and run["first"]["tokens"] == float(sum(LENGTHS))
+    assert_same_first_step(run, stage_runs[2])
+
+
+def test_zero3_loads_the_same_weights_partitioned(stage_runs, tiny_model):
+    # what each configuration loads: ZeRO-3 partitioned in the training dtype (bf16 on GPU), the
+    # other stages whole in fp32 (DeepSpeed casts and keeps fp32 masters)
+    assert policy_load_plan(LearnerConfig(zero_stage=3)) == (torch.float32, True)
+    assert policy_load_plan(LearnerConfig(zero_stage=3, device="cuda")) == (torch.bfloat16, True)
+    assert policy_load_plan(LearnerConfig(zero_stage=3, device="cuda", dtype="float32")) == (torch.float32, True)
+    for stage in (0, 1, 2):
+        assert policy_load_plan(LearnerConfig(zero_stage=stage, device="cuda")) == (torch.float32, False)
+    # stage_runs' ZeRO-3 learner loaded partitioned and started from the very weights ZeRO-0 loaded whole
+    for name in WATCHED:
+        assert torch.equal(stage_runs[3]["before"][name], stage_runs[0]["before"][name])
+    from transformers import AutoModelForCausalLM
+
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
+                 "zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}
+    with zero3_partitioned_loading(ds_config):
+        partitioned = AutoModelForCausalLM.from_pretrained(tiny_model)
+    weight = partitioned.model.layers[0].mlp.up_proj.weight
+    assert weight.numel() == 0 and weight.ds_numel == 64 * 128  # only the (here: one) rank's shard exists
+    whole = AutoModelForCausalLM.from_pretrained(tiny_model)  # outside the block: a plain load again
+    assert not hasattr(whole.model.layers[0].mlp.up_proj.weight, "ds_id")
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        with zero3_partitioned_loading({**ds_config, "zero_optimization": {"stage": 2}}):
+            pass
 
 
 def test_an_update_changes_every_parameter_and_reports_metrics(stage_runs):

@@ -106,6 +106,38 @@ class GenerationEngine(Protocol):
     def update_weights(self, named_tensors, version: int | None = None) -> int: ...
 
 
+@runtime_checkable
+class SessionEngine(Protocol):
+    """An engine that keeps one KV cache per session (an episode), for multi-turn rollout.
+
+    ``context_token_ids`` is the session's whole context so far: prompt, then every earlier
+    turn's sampled ids and observation ids. When it extends the context the session's cache
+    already holds, only the new suffix is prefilled; a context that diverges reuses at most the
+    common prefix, and after a weight update nothing is reused. Requests from different sessions
+    are batched together as they arrive (continuous batching); a request with ``sampling.seed``
+    samples from its own generator seeded by ``derive_seed(sampling.seed, 0)`` (the stream of
+    prompt 0 in ``generate``), so its tokens do not depend on what else is batched. A session has
+    at most one request in flight. ``GenerationResult.weight_version`` is the version of the
+    weights that produced the tokens; a weight update waits for the requests in flight.
+    """
+
+    weight_version: int
+    tokenizer: object
+
+    async def generate_async(
+        self,
+        session_id: str,
+        context_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        max_new_tokens: int = 256,
+    ) -> GenerationResult: ...
+
+    def end_session(self, session_id: str) -> None: ...
+
+    def load(self) -> dict: ...  # {"sessions": open sessions, "running": requests in flight}
+
+
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -123,6 +155,7 @@ __all__ = [
     "LogprobsMode",
     "NamedTensors",
     "SamplingParams",
+    "SessionEngine",
     "check_prompts",
     "derive_seed",
 ]

@@ -21,10 +21,26 @@ Stop strings are matched in ``tokenizer.decode(ids, skip_special_tokens=False)``
 continuation (not the prompt), checking only the last few tokens each step: a stop string of
 ``n`` UTF-8 bytes is covered by at most ``n`` tokens, and a margin of 4 tokens keeps partial
 characters and leading-space handling at the window's edge from hiding a match.
+
+Sessions (``generate_async``, the ``SessionEngine`` interface of ``actors.engines.base``): a
+background scheduler thread serves requests from any number of sessions with continuous
+batching. Between two decode steps it admits the requests that arrived (each is prefilled on its
+own, so no padding ever enters a prefill) and drops the ones that finished. The running rows
+share one left-padded KV cache with per-row ``position_ids``, the same layout ``generate`` uses,
+so a row's logits are those of its unpadded context. When a request finishes, its row of the KV
+cache (without the padding) is kept as the session's cache; the session's next request, whose
+context extends the cached ids, prefills only the new suffix (an observation). A context that
+diverges from the cache reuses the common prefix (keys and values of a prefix depend on that
+prefix only), and a weight update drops every session cache.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -33,6 +49,7 @@ from actors.engines.base import GenerationResult, SamplingParams, check_prompts,
 from actors.weight_sync import WeightSyncGroup, named_tensors_of
 
 _STOP_WINDOW_MARGIN = 4
+_IDLE_EXIT_S = 2.0  # the scheduler thread exits after this long without work (restarted on demand)
 
 
 def _eos_ids(model, tokenizer, extra: Sequence[int] | None) -> set[int]:
@@ -67,6 +84,470 @@ def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tens
     return torch.log_softmax(scaled, dim=-1)
 
 
+# ---------------------------------------------------------------------------- sessions
+
+
+@dataclass
+class _SessionCache:
+    """A finished request's keys and values: ``kv[layer] = (keys, values)``, each
+    ``[1, kv_heads, len(tokens), head_dim]``, for exactly ``tokens``, computed with ``weight_version``."""
+
+    tokens: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    weight_version: int
+
+
+class _SessionRequest:
+    """One ``generate_async`` call while the scheduler works on it."""
+
+    def __init__(self, session_id, context, sampling, stop_strings, max_new_tokens, loop, future, device):
+        self.session_id = session_id
+        self.context = context
+        self.sampling = sampling
+        self.stop_strings = [s for s in stop_strings if s]
+        self.window = max((len(s.encode("utf-8")) for s in self.stop_strings), default=0) + _STOP_WINDOW_MARGIN
+        self.max_new_tokens = max_new_tokens
+        self.loop, self.future = loop, future
+        self.generator = None
+        if sampling.seed is not None and not sampling.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(derive_seed(sampling.seed, 0))
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish, self.stop_string = "length", None
+        self.cached: list[int] = []  # the ids whose keys/values this request's cache row holds
+        self.pending = -1  # the last sampled id, fed to the next decode step
+        self.weight_version = 0
+        self.cancelled = False
+
+    @property
+    def sampling_key(self) -> tuple:
+        s = self.sampling
+        return (s.temperature, s.top_p, s.top_k, s.logprobs_mode)
+
+
+def _deliver(request: _SessionRequest, result=None, error: BaseException | None = None) -> None:
+    def settle():
+        if request.future.done():  # the caller was cancelled
+            return
+        if error is not None:
+            request.future.set_exception(error)
+        else:
+            request.future.set_result(result)
+
+    try:
+        request.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+        pass
+
+
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _select_rows(cache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """Keep rows ``keep`` of a left-padded cache (in place) and its mask, dropping the columns that
+    are padding in every kept row; returns the new mask."""
+    index = torch.tensor(keep, dtype=torch.long, device=mask.device)
+    mask = mask.index_select(0, index)
+    lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)[:, :, lead:]
+        layer.values = layer.values.index_select(0, index)[:, :, lead:]
+    return mask[:, lead:]
+
+
+class _SessionScheduler:
+    """Continuous batching over sessions for one ``HFEngine`` (see the module docstring).
+
+    Threads: callers (any event loop) enqueue requests and await asyncio futures; one scheduler
+    thread runs every forward pass and settles the futures on the callers' loops. ``model_lock``
+    serialises the model between the scheduler, ``HFEngine.generate`` and weight updates. State
+    shared with callers (queue, session caches, counters) is guarded by ``self._cond``.
+    """
+
+    def __init__(self, engine: "HFEngine", *, session_cache_tokens: int, max_running: int):
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        self.engine = engine
+        self.session_cache_tokens = int(session_cache_tokens)
+        self.max_running = int(max_running)
+        self.model_lock = threading.RLock()
+        self._cond = threading.Condition()
+        self._waiting: deque[_SessionRequest] = deque()
+        self._caches: OrderedDict[str, _SessionCache] = OrderedDict()  # least recently used first
+        self._open: set[str] = set()
+        self._busy: set[str] = set()  # sessions with a request in flight
+        self._updating = 0
+        self._in_step = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._counters = {"prefill_tokens": 0, "reused_tokens": 0, "prefill_forwards": 0, "decode_steps": 0, "requests": 0}
+        self._supported: bool | None = None
+        # the running batch (touched by the scheduler thread only)
+        self._rows: list[_SessionRequest] = []
+        self._batch = None  # DynamicCache, left-padded to self._attention's width
+        self._attention: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ caller side
+
+    def _check_supported(self) -> None:
+        if self._supported is None:
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer
+
+            layers = DynamicCache(config=self.engine.model.config).layers
+            self._supported = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        if not self._supported:
+            raise NotImplementedError(
+                f"session generation keeps full-attention KV caches; {type(self.engine.model).__name__} uses other "
+                "cache layers (sliding window, recurrent state). Use HFEngine.generate for this model.")
+
+    async def submit(self, session_id, context_token_ids, sampling, stop_strings, max_new_tokens) -> GenerationResult:
+        (context,) = check_prompts([context_token_ids], max_new_tokens)
+        self._check_supported()
+        loop = asyncio.get_running_loop()
+        request = _SessionRequest(session_id, context, sampling, stop_strings, int(max_new_tokens), loop,
+                                  loop.create_future(), self.engine.device)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("this engine was closed")
+            if session_id in self._busy:
+                raise RuntimeError(f"session {session_id!r} already has a request in flight; a session's turns "
+                                   "are sequential, await the previous one first")
+            self._busy.add(session_id)
+            self._open.add(session_id)
+            self._waiting.append(request)
+            self._counters["requests"] += 1
+            self._ensure_thread()
+            self._cond.notify_all()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            with self._cond:
+                request.cancelled = True
+                self._cond.notify_all()
+            raise
+
+    def end(self, session_id: str) -> None:
+        with self._cond:
+            self._open.discard(session_id)
+            self._caches.pop(session_id, None)
+
+    def load(self) -> dict:
+        with self._cond:
+            return {"sessions": len(self._open), "running": len(self._busy)}
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {**self._counters, "cached_tokens": sum(len(c.tokens) for c in self._caches.values())}
+
+    def drop_caches(self) -> None:
+        with self._cond:
+            self._caches.clear()
+
+    def paused_for_update(self):
+        """Context manager: hold new requests back, let the running ones finish, then hold the model."""
+        scheduler = self
+
+        class _Pause:
+            def __enter__(self):
+                with scheduler._cond:
+                    scheduler._updating += 1
+                    while scheduler._rows or scheduler._in_step:
+                        scheduler._cond.wait()
+                scheduler.model_lock.acquire()
+
+            def __exit__(self, *exc):
+                scheduler.model_lock.release()
+                with scheduler._cond:
+                    scheduler._updating -= 1
+                    if scheduler._waiting:
+                        scheduler._ensure_thread()
+                    scheduler._cond.notify_all()
+                return False
+
+        return _Pause()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cond.notify_all()
+        for request in waiting:
+            _deliver(request, error=RuntimeError("the engine was closed before this request started"))
+
+    def _ensure_thread(self) -> None:  # called with self._cond held
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="hf-session-scheduler", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ scheduler thread
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                idle_since = time.monotonic()
+                while not self._rows and (self._updating or not self._waiting):
+                    left = _IDLE_EXIT_S - (time.monotonic() - idle_since)
+                    if self._closed or left <= 0:
+                        self._thread = None
+                        return
+                    self._cond.wait(left)
+                admit = []
+                while not self._updating and self._waiting and len(self._rows) + len(admit) < self.max_running:
+                    admit.append(self._waiting.popleft())
+                self._in_step = True
+            try:
+                with self.model_lock, torch.inference_mode():
+                    self._step(admit)
+            finally:
+                with self._cond:
+                    self._in_step = False
+                    self._cond.notify_all()
+
+    def _step(self, admit: list[_SessionRequest]) -> None:
+        self._step_admissions(admit)
+        if not self._rows:
+            return
+        try:
+            self._decode()
+        except Exception as exc:  # noqa: BLE001 - a failed batch step fails every request in it
+            rows, self._rows, self._batch, self._attention = self._rows, [], None, None
+            for request in rows:
+                self._finish(request, None, error=exc)
+
+    def _take_cache(self, request: _SessionRequest) -> tuple[list | None, int]:
+        """The session's cached ``(keys, values)`` per layer and how many of its ids ``request.context``
+        can reuse (``0``: none, the cache is stale or absent)."""
+        with self._cond:
+            cached = self._caches.pop(request.session_id, None)
+        if cached is None or cached.weight_version != self.engine.weight_version:
+            return None, 0
+        common = 0
+        for a, b in zip(cached.tokens, request.context):
+            if a != b:
+                break
+            common += 1
+        return cached.kv, min(common, len(request.context) - 1)  # at least one id to prefill, for its logits
+
+    def _step_admissions(self, admit: list[_SessionRequest]) -> None:
+        """Prefill the admitted requests in groups of similar suffix length (padding costs compute)."""
+        taken = []
+        for request in admit:
+            if request.cancelled:
+                self._finish(request, None)
+                continue
+            request.weight_version = self.engine.weight_version
+            kv, reuse = self._take_cache(request)
+            taken.append((len(request.context) - reuse, request, kv, reuse))
+        taken.sort(key=lambda t: t[0])
+        group: list = []
+        for item in taken:
+            if group and item[0] > 1.5 * group[0][0] + 16:
+                self._prefill_group(group)
+                group = []
+            group.append(item)
+        if group:
+            self._prefill_group(group)
+
+    def _prefill_group(self, group: list) -> None:
+        try:
+            self._prefill([(request, kv, reuse) for _, request, kv, reuse in group])
+        except Exception as exc:  # noqa: BLE001 - these callers get the error, the running rows go on
+            for _, request, _, _ in group:
+                self._finish(request, None, error=exc)
+
+    def _prefill(self, group: list) -> None:
+        """One forward over the new ids of several requests, each after its reused cache.
+
+        Layout of row ``i``: ``[padding | its c_i cached ids | padding | its s_i new ids]``, with
+        the attention mask off on both paddings and position ids counting real ids only, so each
+        row sees exactly its own context. The rows are then compacted to the running batch's
+        layout (padding first) and sampled from; unfinished ones join the batch.
+        """
+        from transformers import DynamicCache
+
+        engine, dev = self.engine, self.engine.device
+        requests = [request for request, _, _ in group]
+        reuses = [reuse for _, _, reuse in group]
+        suffixes = [request.context[reuse:] for request, _, reuse in group]
+        b, wc, ws = len(group), max(reuses), max(len(x) for x in suffixes)
+        cache = DynamicCache(config=engine.model.config)
+        if wc:
+            for index, layer in enumerate(cache.layers):
+                keys, values = [], []
+                for _, kv, reuse in group:
+                    if reuse:
+                        k, v = kv[index][0][:, :, :reuse], kv[index][1][:, :, :reuse]
+                    else:  # a row with nothing cached next to rows with a cache: all padding
+                        like = next(kv for _, kv, r in group if r)[index][0]
+                        k = v = like.new_zeros((1, like.shape[1], 0, like.shape[3]))
+                    keys.append(_pad_left(k, wc - reuse, 2))
+                    values.append(_pad_left(v, wc - reuse, 2))
+                layer.update(torch.cat(keys), torch.cat(values))
+        input_ids = torch.full((b, ws), engine.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((b, wc + ws), dtype=torch.long)
+        positions = torch.zeros((b, ws), dtype=torch.long)
+        for row, (reuse, suffix) in enumerate(zip(reuses, suffixes)):
+            input_ids[row, ws - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+            attention[row, wc - reuse : wc] = 1
+            attention[row, wc + ws - len(suffix):] = 1
+            positions[row, ws - len(suffix):] = torch.arange(reuse, reuse + len(suffix))
+        attention = attention.to(dev)
+        out = engine.model(input_ids=input_ids.to(dev), attention_mask=attention, position_ids=positions.to(dev),
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with self._cond:
+            self._counters["prefill_forwards"] += 1
+            self._counters["prefill_tokens"] += sum(len(x) for x in suffixes)
+            self._counters["reused_tokens"] += sum(reuses)
+        # compact: each row's real columns, in order, right-aligned to width n = longest context
+        lengths = [len(r.context) for r in requests]
+        n = max(lengths)
+        source = torch.zeros((b, n), dtype=torch.long)
+        for row, length in enumerate(lengths):
+            source[row, n - length:] = attention[row].nonzero().squeeze(-1).cpu()
+        source = source.to(dev)
+        for layer in cache.layers:
+            index = source[:, None, :, None].expand(b, layer.keys.shape[1], n, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        mask = torch.zeros((b, n), dtype=torch.long, device=dev)
+        for row, (request, length) in enumerate(zip(requests, lengths)):
+            mask[row, n - length:] = 1
+            request.cached = list(request.context)
+        finished = self._sample(requests, out.logits[:, -1, :])
+        done = [row for row, f in enumerate(finished) if f]
+        for row in done:
+            self._finish(requests[row], [(layer.keys[row : row + 1, :, n - lengths[row]:].clone(),
+                                          layer.values[row : row + 1, :, n - lengths[row]:].clone())
+                                         for layer in cache.layers])
+        keep = [row for row in range(b) if not finished[row]]
+        if keep:
+            if len(keep) < b:
+                mask = _select_rows(cache, mask, keep)
+            self._join([requests[row] for row in keep], cache, mask)
+
+    def _join(self, requests: list[_SessionRequest], cache, mask: torch.Tensor) -> None:
+        """Append rows (``cache`` and ``mask`` left-padded like the batch) to the running batch."""
+        if not self._rows:
+            self._rows, self._batch, self._attention = list(requests), cache, mask
+            return
+        old, new = self._attention.shape[1], mask.shape[1]
+        width = max(old, new)
+        for layer, added in zip(self._batch.layers, cache.layers):
+            layer.keys = torch.cat([_pad_left(layer.keys, width - old, 2), _pad_left(added.keys, width - new, 2)], dim=0)
+            layer.values = torch.cat([_pad_left(layer.values, width - old, 2), _pad_left(added.values, width - new, 2)], dim=0)
+        self._attention = torch.cat([_pad_left(self._attention, width - old, 1), _pad_left(mask, width - new, 1)], dim=0)
+        self._rows.extend(requests)
+
+    def _decode(self) -> None:
+        cancelled = [row for row, r in enumerate(self._rows) if r.cancelled]
+        if cancelled:
+            self._remove_rows(cancelled, keep_caches=False)
+            if not self._rows:
+                return
+        engine, dev = self.engine, self.engine.device
+        tokens = torch.tensor([[r.pending] for r in self._rows], dtype=torch.long, device=dev)
+        positions = torch.tensor([[len(r.cached)] for r in self._rows], dtype=torch.long, device=dev)
+        self._attention = torch.cat([self._attention, self._attention.new_ones((len(self._rows), 1))], dim=1)
+        out = engine.model(input_ids=tokens, attention_mask=self._attention, position_ids=positions,
+                           past_key_values=self._batch, use_cache=True)
+        for r in self._rows:
+            r.cached.append(r.pending)
+        with self._cond:
+            self._counters["decode_steps"] += 1
+        finished = self._sample(self._rows, out.logits[:, -1, :])
+        done = [row for row, f in enumerate(finished) if f]
+        if done:
+            self._remove_rows(done, keep_caches=True)
+
+    def _remove_rows(self, rows: list[int], keep_caches: bool) -> None:
+        width = self._attention.shape[1]
+        for row in rows:
+            request = self._rows[row]
+            kv = None
+            if keep_caches:
+                start = width - len(request.cached)  # the row's padding ends here
+                kv = [(layer.keys[row : row + 1, :, start:].clone(), layer.values[row : row + 1, :, start:].clone())
+                      for layer in self._batch.layers]
+            self._finish(request, kv)
+        gone = set(rows)
+        keep = [row for row in range(len(self._rows)) if row not in gone]
+        self._rows = [self._rows[row] for row in keep]
+        if not keep:
+            self._batch, self._attention = None, None
+            return
+        self._attention = _select_rows(self._batch, self._attention, keep)
+
+    def _sample(self, requests: list[_SessionRequest], logits: torch.Tensor) -> list[bool]:
+        """Sample one id per request from its row of ``logits``, record it, and say which finished."""
+        engine = self.engine
+        groups: dict[tuple, list[int]] = {}
+        for row, r in enumerate(requests):
+            groups.setdefault(r.sampling_key, []).append(row)
+        tokens = [0] * len(requests)
+        token_logprobs = [0.0] * len(requests)
+        for rows in groups.values():
+            sampling = requests[rows[0]].sampling
+            sub = logits if len(groups) == 1 else logits[torch.tensor(rows, device=logits.device)]
+            logp = process_logits(sub, sampling)
+            if sampling.greedy:
+                drawn = torch.argmax(logp, dim=-1)
+            else:
+                drawn = engine._draw(logp, [requests[row].generator for row in rows])
+            reported = logp if sampling.logprobs_mode == "processed" else torch.log_softmax(sub.float(), dim=-1)
+            picked = reported.gather(-1, drawn[:, None]).squeeze(-1).tolist()
+            for row, tok, lp in zip(rows, drawn.tolist(), picked):
+                tokens[row], token_logprobs[row] = tok, float(lp)
+        finished = []
+        for r, tok, lp in zip(requests, tokens, token_logprobs):
+            r.ids.append(tok)
+            r.logprobs.append(lp)
+            r.pending = tok
+            done = True
+            if tok in engine.eos_token_ids:
+                r.finish = "eos"
+            elif r.stop_strings and (hit := engine._matched_stop(r.ids, r.stop_strings, r.window)) is not None:
+                r.finish, r.stop_string = "stop", hit
+            elif len(r.ids) >= r.max_new_tokens:
+                r.finish = "length"
+            else:
+                done = False
+            finished.append(done)
+        return finished
+
+    def _finish(self, request: _SessionRequest, kv, error: BaseException | None = None) -> None:
+        """Settle the caller's future and keep the session's cache (``kv`` holds ``request.cached``)."""
+        with self._cond:
+            self._busy.discard(request.session_id)
+            keep = (kv is not None and error is None and not request.cancelled and request.session_id in self._open
+                    and request.weight_version == self.engine.weight_version)
+            if keep:
+                self._caches[request.session_id] = _SessionCache(list(request.cached), kv, request.weight_version)
+                self._evict()
+        if request.cancelled:
+            return
+        if error is not None:
+            _deliver(request, error=error)
+            return
+        result = GenerationResult(
+            token_ids=list(request.ids), logprobs=list(request.logprobs), finish_reason=request.finish,
+            stop_string=request.stop_string, weight_version=request.weight_version,
+            text=self.engine.tokenizer.decode(request.ids, skip_special_tokens=False),
+        )
+        _deliver(request, result)
+
+    def _evict(self) -> None:  # called with self._cond held; least recently finished first
+        total = sum(len(c.tokens) for c in self._caches.values())
+        while self._caches and total > self.session_cache_tokens:
+            _, dropped = self._caches.popitem(last=False)
+            total -= len(dropped.tokens)
+
+
 class HFEngine:
     """Token-in/token-out generation with a transformers causal LM (see the module docstring).
 
@@ -86,6 +567,8 @@ class HFEngine:
         eos_token_ids: Sequence[int] | None = None,
         weight_version: int = 0,
         num_threads: int | None = None,
+        session_cache_tokens: int = 32768,
+        max_running: int = 64,
     ):
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -107,6 +590,7 @@ class HFEngine:
         self.pad_token_id = int(pad)
         self.weight_version = int(weight_version)
         self._sync_group: WeightSyncGroup | None = None
+        self._sessions = _SessionScheduler(self, session_cache_tokens=session_cache_tokens, max_running=max_running)
 
     # ------------------------------------------------------------------ generation
 
@@ -121,10 +605,11 @@ class HFEngine:
         return gens
 
     @staticmethod
-    def _draw(logp: torch.Tensor, gens: list[torch.Generator] | None) -> torch.Tensor:
+    def _draw(logp: torch.Tensor, gens: Sequence[torch.Generator | None] | None) -> torch.Tensor:
         # Inverse-CDF sampling with one uniform number per row, drawn from that row's own
-        # generator: token = first v with CDF(v) > u·CDF(V). Only tokens with p > 0 can be hit
-        # (the CDF is flat across zeros); the fallback covers the u·total == total rounding edge.
+        # generator (torch's global one for a ``None`` entry): token = first v with
+        # CDF(v) > u·CDF(V). Only tokens with p > 0 can be hit (the CDF is flat across zeros);
+        # the fallback covers the u·total == total rounding edge.
         probs = logp.exp()
         cdf = probs.cumsum(-1)
         if gens is None:
@@ -151,6 +636,10 @@ class HFEngine:
         max_new_tokens: int = 256,
     ) -> list[GenerationResult]:
         """Sample one continuation per prompt; see ``actors.engines.base`` for the result's meaning."""
+        with self._sessions.model_lock:
+            return self._generate(prompt_token_ids, sampling, stop_strings, max_new_tokens)
+
+    def _generate(self, prompt_token_ids, sampling, stop_strings, max_new_tokens) -> list[GenerationResult]:
         from transformers import DynamicCache
 
         prompts = check_prompts(prompt_token_ids, max_new_tokens)
@@ -232,6 +721,43 @@ class HFEngine:
             for i in range(n)
         ]
 
+    # ------------------------------------------------------------------ sessions
+
+    async def generate_async(
+        self,
+        session_id: str,
+        context_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        max_new_tokens: int = 256,
+    ) -> GenerationResult:
+        """Sample one continuation of a session's whole context (see ``SessionEngine``).
+
+        The request's random stream is seeded with ``derive_seed(sampling.seed, 0)``, the stream
+        of prompt 0 in ``generate``, so a session's first turn samples what ``generate`` of the
+        same single prompt samples, whatever other sessions are batched with it.
+        """
+        return await self._sessions.submit(str(session_id), context_token_ids, sampling or SamplingParams(),
+                                           stop_strings, max_new_tokens)
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a session's KV cache (a request of it still in flight finishes normally)."""
+        self._sessions.end(str(session_id))
+
+    def load(self) -> dict:
+        """``{"sessions": open sessions, "running": requests in flight}``, for least-loaded routing."""
+        return self._sessions.load()
+
+    def session_stats(self) -> dict:
+        """Counters since the engine was built: ``prefill_tokens`` (computed), ``reused_tokens``
+        (taken from session caches), ``prefill_forwards`` (admissions are prefilled together),
+        ``decode_steps``, ``requests``, ``cached_tokens`` (held now)."""
+        return self._sessions.stats()
+
+    def close(self) -> None:
+        """Stop the scheduler thread; requests still waiting fail with ``RuntimeError``."""
+        self._sessions.close()
+
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, named_tensors, version: int | None = None, *, strict: bool = True) -> int:
@@ -241,7 +767,15 @@ class HFEngine:
         with the model's own parameter names (tied weights may come under either name). The
         version is ``version`` if given, else the one ``FlatWeights`` carries, else the old one + 1.
         With ``strict`` every parameter must be covered and every name must exist.
+
+        Session requests in flight finish first, with the old weights (new ones wait), so every
+        result has one weight version; then every session's KV cache is dropped, since it was
+        computed with the old weights.
         """
+        with self._sessions.paused_for_update():
+            return self._update_weights(named_tensors, version, strict)
+
+    def _update_weights(self, named_tensors, version: int | None, strict: bool) -> int:
         pairs, carried = named_tensors_of(named_tensors)
         targets = self.model.state_dict(keep_vars=True)
         loaded: set[int] = set()
@@ -261,6 +795,7 @@ class HFEngine:
             if unknown or missing:
                 raise KeyError(f"weight update does not match the model: unknown={unknown[:5]} missing={missing[:5]}")
         self.weight_version = int(version if version is not None else carried if carried is not None else self.weight_version + 1)
+        self._sessions.drop_caches()
         return self.weight_version
 
     def load_state_dict(self, state_dict, version: int | None = None) -> int:
@@ -278,8 +813,9 @@ class HFEngine:
         """Receive one broadcast from the group's rank 0 and load it; returns the new version."""
         if self._sync_group is None:
             raise RuntimeError("call init_weight_sync before receive_weights")
-        version, tensors = self._sync_group.receive()
-        return self.update_weights(tensors, version)
+        with self._sessions.paused_for_update():
+            version, tensors = self._sync_group.receive()
+            return self._update_weights(tensors, version, strict=True)
 
     def info(self) -> dict:
         return {

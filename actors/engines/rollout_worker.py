@@ -10,13 +10,28 @@ returns the Ray actor class with resource options, e.g.::
 
 Every method returns plain data (``GenerationResult`` dataclasses, ints, dicts), so nothing large
 or engine-specific crosses the actor boundary.
+
+Sessions: ``generate_async(session_id, context_ids, ...)``, ``end_session`` and ``load`` make the
+worker a ``SessionEngine``. Because ``generate_async`` is ``async def``, Ray runs the worker as an
+async actor, so many sessions' requests are in flight at once and the engine batches them
+(``HFEngine`` continuously; an engine without sessions goes through
+``actors.engines.session_adapter.as_session_engine``).
+
+Weight versions: a worker built with ``require_sync=True`` refuses to generate until it has
+received weights once (``update_weights`` / ``receive_weights``). Ray rebuilds a restarted actor
+with its original arguments, so a worker restarted mid-run cannot sample from its initial
+weights and pass them off as the learner's; ``require_sync="after_restart"`` refuses only in an
+actor that Ray has reconstructed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from typing import Sequence
 
 from actors.engines.base import GenerationResult, SamplingParams
+from actors.engines.session_adapter import as_session_engine
 
 
 # name -> factory(**kwargs) -> engine; filled by register_engine
@@ -27,7 +42,7 @@ def register_engine(name: str, factory, *, replace: bool = False) -> None:
     """Make ``make_engine(name, **kwargs)`` (and so ``RolloutWorker(engine=name)``) build
     ``factory(**kwargs)``. Registration is per process; for Ray actors pass the engine as an
     import string ``"package.module:Factory"`` instead, which every process can resolve."""
-    if name in ("hf", "vllm") or (name in ENGINE_FACTORIES and not replace):
+    if name in ("hf", "vllm", "vllm-async") or (name in ENGINE_FACTORIES and not replace):
         raise ValueError(f"engine {name!r} is already registered")
     if not callable(factory):
         raise TypeError(f"engine factory for {name!r} must be callable")
@@ -35,7 +50,8 @@ def register_engine(name: str, factory, *, replace: bool = False) -> None:
 
 
 def make_engine(engine: str = "hf", **kwargs):
-    """Build an engine by name: ``"hf"`` (``HFEngine``), ``"vllm"`` (``VLLMEngine``), a name
+    """Build an engine by name: ``"hf"`` (``HFEngine``), ``"vllm"`` (``VLLMEngine``), ``"vllm-async"``
+    (``AsyncVLLMEngine``, the continuously batching ``SessionEngine`` on GPU), a name
     given to ``register_engine``, or an import string ``"module:callable"``."""
     if engine == "hf":
         from actors.engines.hf import HFEngine
@@ -45,6 +61,10 @@ def make_engine(engine: str = "hf", **kwargs):
         from actors.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(**kwargs)
+    if engine == "vllm-async":
+        from actors.engines.vllm_async import AsyncVLLMEngine
+
+        return AsyncVLLMEngine(**kwargs)
     if engine in ENGINE_FACTORIES:
         return ENGINE_FACTORIES[engine](**kwargs)
     if isinstance(engine, str) and ":" in engine:
@@ -56,15 +76,41 @@ def make_engine(engine: str = "hf", **kwargs):
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot import engine {engine!r}: {exc}") from exc
         return factory(**kwargs)
-    known = ", ".join(["'hf'", "'vllm'", *(repr(n) for n in ENGINE_FACTORIES)])
+    known = ", ".join(["'hf'", "'vllm'", "'vllm-async'", *(repr(n) for n in ENGINE_FACTORIES)])
     raise ValueError(f"unknown engine {engine!r}; expected {known} or 'module:callable'")
 
 
-class RolloutWorker:
-    """Holds one engine; forwards generation and weight updates to it."""
+class WeightsNotSyncedError(RuntimeError):
+    """A worker that must be synced first was asked to generate."""
 
-    def __init__(self, engine: str = "hf", **engine_kwargs):
+
+def _restarted_by_ray() -> bool:
+    import warnings
+
+    try:
+        import ray
+
+        with warnings.catch_warnings():  # the property reads a deprecated attribute inside Ray
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - outside an actor there is nothing to have been restarted
+        return False
+
+
+class RolloutWorker:
+    """Holds one engine; forwards generation and weight updates to it.
+
+    ``require_sync``: ``False`` (generate at once), ``True`` (refuse to generate until weights
+    have been received once) or ``"after_restart"`` (refuse only if Ray restarted this actor).
+    """
+
+    def __init__(self, engine: str = "hf", *, require_sync: bool | str = False, **engine_kwargs):
+        if require_sync not in (True, False, "after_restart"):
+            raise ValueError(f"require_sync must be True, False or 'after_restart', got {require_sync!r}")
         self.engine = make_engine(engine, **engine_kwargs)
+        self.sessions = as_session_engine(self.engine)
+        self.restarted = _restarted_by_ray()
+        self.synced = not (require_sync is True or (require_sync == "after_restart" and self.restarted))
 
     @classmethod
     def as_remote(cls, **ray_options):
@@ -73,6 +119,14 @@ class RolloutWorker:
 
         return ray.remote(**ray_options)(cls) if ray_options else ray.remote(cls)
 
+    def _check_synced(self) -> None:
+        if not self.synced:
+            why = "was restarted" if self.restarted else "was built with require_sync=True"
+            raise WeightsNotSyncedError(
+                f"this rollout worker {why} and has not received weights since (it holds weight version "
+                f"{self.engine.weight_version} from its start); sync it with update_weights or receive_weights "
+                "before generating, so no sample comes from stale weights")
+
     def generate(
         self,
         prompt_token_ids: Sequence[Sequence[int]],
@@ -80,22 +134,78 @@ class RolloutWorker:
         stop_strings: Sequence[str] = (),
         max_new_tokens: int = 256,
     ) -> list[GenerationResult]:
+        self._check_synced()
         return self.engine.generate(prompt_token_ids, sampling, stop_strings, max_new_tokens)
+
+    async def generate_async(
+        self,
+        session_id: str,
+        context_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        max_new_tokens: int = 256,
+    ) -> GenerationResult:
+        """One turn of a session (see ``actors.engines.base.SessionEngine``)."""
+        self._check_synced()
+        return await self.sessions.generate_async(session_id, context_token_ids, sampling, stop_strings, max_new_tokens)
+
+    def end_session(self, session_id: str) -> None:
+        self.sessions.end_session(session_id)
+
+    def load(self) -> dict:
+        """``{"sessions": n, "running": n}`` of the engine, for least-loaded routing of new sessions."""
+        return self.sessions.load()
+
+    def session_stats(self) -> dict:
+        """The engine's session counters (``HFEngine.session_stats``), ``{}`` for engines without them."""
+        stats = getattr(self.engine, "session_stats", None)
+        return stats() if callable(stats) else {}
+
+    def _updated(self, version) -> int:
+        self.synced = True
+        return int(version)
 
     def update_weights(self, weights, version: int | None = None) -> int:
         """Load ``FlatWeights`` (from the object store), a mapping or pairs; returns the new version."""
-        return self.engine.update_weights(weights, version)
+        if inspect.iscoroutinefunction(self.engine.update_weights):
+            raise TypeError(f"{type(self.engine).__name__} updates its weights asynchronously; call update_weights_async")
+        return self._updated(self.engine.update_weights(weights, version))
+
+    async def update_weights_async(self, weights, version: int | None = None) -> int:
+        """``update_weights`` for any engine, without blocking the actor's event loop (an
+        ``HFEngine`` update waits for the requests in flight to finish)."""
+        if inspect.iscoroutinefunction(self.engine.update_weights):
+            return self._updated(await self.engine.update_weights(weights, version))
+        return self._updated(await asyncio.to_thread(self.engine.update_weights, weights, version))
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> int:
         """Join a ``WeightSyncGroup``; returns how many ranks this worker occupies in it."""
+        if inspect.iscoroutinefunction(self.engine.init_weight_sync):
+            raise TypeError(f"{type(self.engine).__name__} joins asynchronously; call init_weight_sync_async")
         self.engine.init_weight_sync(host, port, rank_offset, world_size, backend)
+        return self.engine.sync_ranks
+
+    async def init_weight_sync_async(self, host: str, port: int, rank_offset: int, world_size: int,
+                                     backend: str = "gloo") -> int:
+        args = (host, port, rank_offset, world_size, backend)
+        if inspect.iscoroutinefunction(self.engine.init_weight_sync):
+            await self.engine.init_weight_sync(*args)
+        else:
+            await asyncio.to_thread(self.engine.init_weight_sync, *args)
         return self.engine.sync_ranks
 
     def sync_ranks(self) -> int:
         return int(self.engine.sync_ranks)
 
     def receive_weights(self) -> int:
-        return self.engine.receive_weights()
+        if inspect.iscoroutinefunction(self.engine.receive_weights):
+            raise TypeError(f"{type(self.engine).__name__} receives weights asynchronously; call receive_weights_async")
+        return self._updated(self.engine.receive_weights())
+
+    async def receive_weights_async(self) -> int:
+        if inspect.iscoroutinefunction(self.engine.receive_weights):
+            return self._updated(await self.engine.receive_weights())
+        return self._updated(await asyncio.to_thread(self.engine.receive_weights))
 
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
@@ -104,10 +214,10 @@ class RolloutWorker:
         return str(getattr(self.engine.tokenizer, "name_or_path", ""))
 
     def info(self) -> dict:
-        return self.engine.info()
+        return {**self.engine.info(), "synced": self.synced, "restarted": self.restarted}
 
     def ping(self) -> bool:
         return True
 
 
-__all__ = ["ENGINE_FACTORIES", "RolloutWorker", "make_engine", "register_engine"]
+__all__ = ["ENGINE_FACTORIES", "RolloutWorker", "WeightsNotSyncedError", "make_engine", "register_engine"]

@@ -28,9 +28,15 @@ What comes back
   id (``"eos"``). Every logprob is 0.0: the script emits each token with probability one. It is
   not a distribution a learner can train on, and weight updates only advance ``weight_version``.
 
+Sessions
+  ``generate_async(session_id, context, ...)`` (the ``SessionEngine`` interface of the async
+  rollout loop) plays the same script for one context: it returns ``generate([context], ...)[0]``,
+  and concurrent requests overlap like a continuously batching engine's. ``end_session`` forgets
+  the id; ``load()`` counts open sessions and requests in flight.
+
 Delay and call log
-  ``delay_s`` makes every ``generate`` call take at least that long, like a model would, so a
-  test can act while a call is in flight. With ``call_log`` (a file path) each call appends one
+  ``delay_s`` makes every ``generate`` call (and every ``generate_async`` request) take at least
+  that long, like a model would, so a test can act while a call is in flight. With ``call_log`` (a file path) each call appends one
   JSON line when it starts (with the turn of each prompt) and one when it returns, both with the
   process id and a per-process call number: a call whose ``start`` has no ``end`` never returned
   (its process died mid-call).
@@ -97,6 +103,8 @@ class ScriptedEngine:
         self.header = _assistant_header(tokenizer)
         self.eos_token_id = tokenizer.eos_token_id
         self._calls = itertools.count()
+        self._sessions: set[str] = set()  # open sessions (the script keeps no state for them)
+        self._running = 0
 
     @staticmethod
     def _check_entry(index: int, entry) -> tuple[str, ...]:
@@ -158,6 +166,41 @@ class ScriptedEngine:
         time.sleep(max(0.0, self.delay_s - (time.monotonic() - started)))
         self._log("end", call)
         return results
+
+    # ------------------------------------------------------------------ sessions (SessionEngine)
+
+    async def generate_async(self, session_id: str, context_token_ids: Sequence[int],
+                             sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (),
+                             max_new_tokens: int = 256) -> GenerationResult:
+        """One session's next segment; the same as ``generate([context], sampling, ...)[0]``.
+
+        Concurrent requests overlap: each takes ``delay_s`` on its own, as requests batched in a
+        continuously batching engine do, and each is one call in the call log.
+        """
+        import asyncio
+
+        started = time.monotonic()
+        (prompt,) = check_prompts([context_token_ids], max_new_tokens)
+        self._sessions.add(session_id)
+        self._running += 1
+        try:
+            text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+            turn = self.turn_of(text, stop_strings)
+            call = next(self._calls)
+            self._log("start", call, turns=[turn], session=session_id)
+            seed = None if sampling is None or sampling.seed is None else derive_seed(sampling.seed, 0)
+            result = self._result(self.segment(text, turn, seed), stop_strings, max_new_tokens)
+            await asyncio.sleep(max(0.0, self.delay_s - (time.monotonic() - started)))
+            self._log("end", call, session=session_id)
+            return result
+        finally:
+            self._running -= 1
+
+    def end_session(self, session_id: str) -> None:
+        self._sessions.discard(session_id)
+
+    def load(self) -> dict:
+        return {"sessions": len(self._sessions), "running": self._running}
 
     # ------------------------------------------------------------------ weights
 

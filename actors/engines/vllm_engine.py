@@ -84,6 +84,20 @@ def vllm_model_source(spec: str, use_gguf: bool = False) -> tuple[str, str]:
     return hf_dir, hf_dir
 
 
+def flat_weights_payload(named_tensors, version: int | None, current_version: int) -> tuple[str, torch.Tensor, int]:
+    """``(header, buffer, version)`` for ``raggym_load_flat_weights``: the tensors packed into one
+    CPU uint8 buffer (``FlatWeights``) with a JSON header; the version is ``version`` if given,
+    else the one the payload carries, else ``current_version + 1``."""
+    if isinstance(named_tensors, FlatWeights):
+        flat = named_tensors
+    else:
+        pairs, _ = named_tensors_of(named_tensors)
+        flat = FlatWeights.from_named_tensors(list(pairs), version if version is not None else current_version + 1)
+    header = json.dumps([s.to_json() for s in flat.specs])
+    buffer = torch.from_numpy(flat.buffer if flat.buffer.flags.writeable else flat.buffer.copy())
+    return header, buffer, int(version if version is not None else flat.version)
+
+
 class VLLMEngine:
     """Token-in/token-out generation with ``vllm.LLM`` (see the module docstring)."""
 
@@ -191,16 +205,10 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors, version: int | None = None) -> int:
         """Load new weights into every vLLM worker through the object-store payload."""
-        if isinstance(named_tensors, FlatWeights):
-            flat = named_tensors
-        else:
-            pairs, _ = named_tensors_of(named_tensors)
-            flat = FlatWeights.from_named_tensors(list(pairs), version if version is not None else self.weight_version + 1)
-        header = json.dumps([s.to_json() for s in flat.specs])
-        buffer = torch.from_numpy(flat.buffer.copy()) if not flat.buffer.flags.writeable else torch.from_numpy(flat.buffer)
+        header, buffer, new_version = flat_weights_payload(named_tensors, version, self.weight_version)
         self.llm.collective_rpc("raggym_load_flat_weights", args=(header, buffer))
         self.llm.reset_prefix_cache()
-        self.weight_version = int(version if version is not None else flat.version)
+        self.weight_version = new_version
         return self.weight_version
 
     def load_state_dict(self, state_dict, version: int | None = None) -> int:
@@ -228,4 +236,4 @@ class VLLMEngine:
         }
 
 
-__all__ = ["VLLMEngine", "VLLMUnavailableError", "WORKER_EXTENSION", "import_vllm", "vllm_available", "vllm_model_source"]
+__all__ = ["VLLMEngine", "VLLMUnavailableError", "WORKER_EXTENSION", "flat_weights_payload", "import_vllm", "vllm_available", "vllm_model_source"]
