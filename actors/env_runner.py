@@ -95,7 +95,7 @@ class RayBackend:
             return await worker.generate_async.remote(session_id, list(context_token_ids), sampling, list(stop_strings),
                                                       int(max_new_tokens))
         if index not in self._adapters:
-            from actors.engines.session_adapter import BatchingSessionEngine
+            from envs.session_adapter import BatchingSessionEngine
 
             async def generate_batch(prompts, sampling, stop_strings, max_new_tokens, worker=worker):
                 return await worker.generate.remote(prompts, sampling, list(stop_strings), int(max_new_tokens))

@@ -238,7 +238,7 @@ class LocalBackend:
     serial_retrieval = True
 
     def __init__(self, engine):
-        from actors.engines.session_adapter import as_session_engine
+        from envs.session_adapter import as_session_engine
 
         self.engine = engine
         self.sessions = as_session_engine(engine)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors.engines import SamplingParams, make_engine
-from actors.engines.session_adapter import BatchingSessionEngine, cut_result
+from envs.session_adapter import BatchingSessionEngine, cut_result
 from envs import RagSearchEnv
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
 from experiments.runtime import bound_staleness

@@ -15,7 +15,7 @@ Sessions: ``generate_async(session_id, context_ids, ...)``, ``end_session`` and 
 worker a ``SessionEngine``. Because ``generate_async`` is ``async def``, Ray runs the worker as an
 async actor, so many sessions' requests are in flight at once and the engine batches them
 (``HFEngine`` continuously; an engine without sessions goes through
-``actors.engines.session_adapter.as_session_engine``).
+``envs.session_adapter.as_session_engine``).
 
 Weight versions: a worker built with ``require_sync=True`` refuses to generate until it has
 received weights once (``update_weights`` / ``receive_weights``). Ray rebuilds a restarted actor
@@ -31,7 +31,7 @@ import inspect
 from typing import Sequence
 
 from actors.engines.base import GenerationResult, SamplingParams
-from actors.engines.session_adapter import as_session_engine
+from envs.session_adapter import as_session_engine
 
 
 # name -> factory(**kwargs) -> engine; filled by register_engine

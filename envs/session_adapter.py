@@ -24,12 +24,14 @@ Sessions carry no cache here; ``end_session`` only forgets the id (``load`` coun
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
-from typing import Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
-from actors.engines.base import GenerationResult, SamplingParams
+if TYPE_CHECKING:  # the engines' result types; envs works with any engine that returns them
+    from actors.engines.base import GenerationResult, SamplingParams
 
-BatchGenerate = Callable[[list[list[int]], Any, list[str], int], Awaitable[list[GenerationResult]]]
+BatchGenerate = Callable[[list[list[int]], Any, list[str], int], Awaitable[list["GenerationResult"]]]
 
 
 def is_session_engine(engine) -> bool:
@@ -48,7 +50,8 @@ def cut_result(result: GenerationResult, max_new_tokens: int, tokenizer=None) ->
         return result
     ids = list(result.token_ids[:max_new_tokens])
     text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
-    return GenerationResult(ids, list(result.logprobs[:max_new_tokens]), "length", None, result.weight_version, text=text)
+    return dataclasses.replace(result, token_ids=ids, logprobs=list(result.logprobs[:max_new_tokens]),
+                               finish_reason="length", stop_string=None, text=text)
 
 
 class BatchingSessionEngine:
