@@ -91,7 +91,9 @@ class RolloutSection:
     max_observation_tokens: int = 128
     max_sequence_tokens: Optional[int] = None  # prompt + turns + observations of one context; None: no cap
     waves: int = 2
-    loop: str = "async"  # "async": one coroutine per episode over session engines; "waves": the wave loop
+    # "async": one coroutine per episode over session engines; "waves": the wave loop, whose fixed
+    # batch membership makes a resumed step token-equal to an uninterrupted one (docs/runtime.md)
+    loop: str = "async"
     max_staleness: int = 0  # versions a trained sample's weights may lag the learner's (0: on-policy)
     worker_cpus: float = 0.5
     worker_gpus: float = 0.0  # vllm: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)

@@ -5,7 +5,12 @@ a Ray job submitted to a `ray start --head` cluster with token auth on.
 The config is ``cpu_tiny.yaml`` with two changes that give the runs a learning signal to check:
 weight decay 0 (so parameters move only if the policy gradient is non-zero) and the test reward
 ``shorter_transcript`` of ``tests/e2e_trainer.py`` (registered through the public reward
-registry; the untrained SmolLM2 earns 0 under every built-in reward). The trainer runs as its own
+registry; the untrained SmolLM2 earns 0 under every built-in reward), and a third that makes
+token-exact resume a fair demand: ``rollout.loop: waves``. The async loop batches whatever
+requests are in flight, so a row's batch neighbours depend on timing, and on CPU a row's logits
+move by up to ~4e-5 with its neighbours (GEMM kernels chosen by row count, attention reductions by
+padding); now and then that flips a sampled token. Waves fix each batch's membership, so two runs
+of the same step batch identically. The trainer runs as its own
 process through that file, and as a Ray job.
 
 One cluster serves the module (started here, stopped here). Runs: A = 2 uninterrupted steps;
@@ -50,6 +55,7 @@ def config_file(tmp_path_factory) -> Path:
     cfg["method"] = REWARD_METHOD
     cfg["reward"] = {"method": REWARD_METHOD}
     cfg["learner"].setdefault("optimizer", {})["weight_decay"] = 0.0
+    cfg["rollout"]["loop"] = "waves"  # batch membership fixed per step: resumed runs batch identically
     path = tmp_path_factory.mktemp("config") / "e2e.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path

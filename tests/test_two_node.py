@@ -205,6 +205,7 @@ def config_file(cluster) -> Path:
     # the index is built once, by the first run, on the shared storage; the others reuse it
     cfg["data"]["index_dir"] = str(cluster[2] / "index")
     cfg["rollout"].update({"workers": 1, "env_runners": 1, "prompts_per_step": 1, "group_size": 2, "waves": 1,
+                           "loop": "waves",  # batch membership fixed: the resumed step batches identically
                            "max_response_tokens": 16, "max_turn_tokens": 16, "max_observation_tokens": 32})
     # a checkpoint (policy, fp32 weights and Adam moments) is ~2.2 GB: keep one per run
     cfg["run"]["keep_checkpoints"] = 1
