@@ -67,6 +67,13 @@ async def play(engine, session_id, prompt, observation, turns, seed, max_new_tok
     return record
 
 
+def record_prefix(contexts) -> list[int]:
+    """The ids every context starts with."""
+    first = list(contexts[0])
+    n = min(next((i for i, (a, b) in enumerate(zip(first, c)) if a != b), min(len(first), len(c))) for c in contexts[1:])
+    return first[:n]
+
+
 def test_hf_engine_is_a_session_engine(engine):
     assert isinstance(engine, SessionEngine)
 
@@ -93,7 +100,11 @@ def test_every_turn_matches_a_full_forward_and_prefills_only_the_new_ids(engine,
                 reused += len(previous_context) + len(previous.token_ids) - 1
                 prefilled += 1 + len(observation)
     assert after["reused_tokens"] - before["reused_tokens"] == reused
-    assert after["prefill_tokens"] - before["prefill_tokens"] == prefilled
+    # a first turn's ids are computed, or taken from another session that opened with the same ids
+    # (these chat prompts share the template's system turn)
+    computed = after["prefill_tokens"] - before["prefill_tokens"]
+    assert computed + after["shared_tokens"] - before["shared_tokens"] == prefilled
+    assert computed >= sum(len(record[0][0]) - len(record_prefix(prompts)) for record in records)
     # the three sessions really were batched: fewer decode steps than tokens decoded one by one
     decoded = sum(len(r.token_ids) - 1 for record in records for _, r in record)
     assert after["decode_steps"] - before["decode_steps"] < decoded
@@ -155,6 +166,40 @@ def test_a_seed_reproduces_a_session_alone_or_batched_and_matches_generate(engin
         engine.end_session(sid)
 
 
+def test_a_group_opening_with_one_prompt_computes_it_once(engine, prompts, observation):
+    """GRPO's G samples of a question open G sessions with the same prompt: requests admitted
+    together are prefilled as one row, a session opened later takes the prompt from the shared
+    store, and every sample stays exact and seeded per session."""
+    prompt = prompts[2]
+    before = engine.session_stats()
+
+    async def group():
+        return await asyncio.gather(*(play(engine, f"group-{g}", prompt, observation, 2, 40 + g, 6) for g in range(4)))
+
+    records = asyncio.run(group())
+    middle = engine.session_stats()
+    late = asyncio.run(play(engine, "group-late", prompt, observation, 1, 40, 6))
+    after = engine.session_stats()
+    for record in [*records, late]:
+        for context, result in record:
+            assert_exact(engine, context, result)
+    # the same seed as group-0's first turn samples the same ids, whoever computed the prompt
+    assert late[0][1].token_ids == records[0][0][1].token_ids
+    assert len({tuple(record[0][1].token_ids) for record in records}) > 1  # the copies sample on their own
+    # four first turns of len(prompt) ids: at most one computes the prompt, the rest share it
+    first_turns = 4 * len(prompt)
+    shared = middle["shared_tokens"] - before["shared_tokens"]
+    assert shared >= 3 * len(prompt) and shared <= first_turns
+    computed = middle["prefill_tokens"] - before["prefill_tokens"]
+    second_turns = sum(1 + len(observation) for _ in records)
+    assert computed + shared == first_turns + second_turns
+    # the late session prefills one id (the logits of the prompt's last position) and shares the rest
+    assert after["shared_tokens"] - middle["shared_tokens"] == len(prompt) - 1
+    assert after["prefill_tokens"] - middle["prefill_tokens"] == 1
+    for sid in [*(f"group-{g}" for g in range(4)), "group-late"]:
+        engine.end_session(sid)
+
+
 def test_a_diverging_context_reuses_only_the_common_prefix(engine, prompts):
     prompt = prompts[0]
 
@@ -193,8 +238,9 @@ def test_a_weight_update_drops_session_caches(engine, prompts, observation):
         first = asyncio.run(turn("stale", prompts[0]))
         context = prompts[0] + first.token_ids + observation
         assert engine.session_stats()["cached_tokens"] > 0
+        assert engine.session_stats()["shared_contexts"] > 0
         assert engine.update_weights(changed, version=version + 3) == version + 3
-        assert engine.session_stats()["cached_tokens"] == 0
+        assert engine.session_stats()["cached_tokens"] == engine.session_stats()["shared_contexts"] == 0
         before = engine.session_stats()
         after_update = asyncio.run(turn("stale", context))
         assert engine.session_stats()["reused_tokens"] == before["reused_tokens"]  # nothing reused

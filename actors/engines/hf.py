@@ -32,6 +32,12 @@ cache (without the padding) is kept as the session's cache; the session's next r
 context extends the cached ids, prefills only the new suffix (an observation). A context that
 diverges from the cache reuses the common prefix (keys and values of a prefix depend on that
 prefix only), and a weight update drops every session cache.
+
+Shared prompts (the prefix cache of vLLM, for GRPO's groups): the G samples of a question open
+G sessions with the same prompt. Requests admitted together with identical contexts are prefilled
+once and their rows copied; and the keys and values of every context computed without a
+session's own cache (a session's first) are kept in a small shared store, so a new session that
+starts with a stored context (or a prefix of one) prefills only what follows it. A weight update drops the store with the session caches.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from actors.weight_sync import WeightSyncGroup, named_tensors_of
 
 _STOP_WINDOW_MARGIN = 4
 _IDLE_EXIT_S = 2.0  # the scheduler thread exits after this long without work (restarted on demand)
+_SHARED_CONTEXTS = 64  # first contexts kept for other sessions (a step's distinct prompts, with room)
 
 
 def _eos_ids(model, tokenizer, extra: Sequence[int] | None) -> set[int]:
@@ -119,6 +126,7 @@ class _SessionRequest:
         self.pending = -1  # the last sampled id, fed to the next decode step
         self.weight_version = 0
         self.cancelled = False
+        self.shareable = False  # its context owes nothing to its session's own cache: other sessions may reuse it
 
     @property
     def sampling_key(self) -> tuple:
@@ -147,6 +155,15 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = n
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _select_rows(cache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
@@ -186,7 +203,12 @@ class _SessionScheduler:
         self._in_step = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._counters = {"prefill_tokens": 0, "reused_tokens": 0, "prefill_forwards": 0, "decode_steps": 0, "requests": 0}
+        # prefill_tokens: ids run through the model in prefills; reused_tokens: ids taken from a
+        # session's own cache; shared_tokens: ids taken from another session (the shared store, or
+        # an identical request prefilled in the same forward)
+        self._counters = {"prefill_tokens": 0, "reused_tokens": 0, "shared_tokens": 0, "prefill_forwards": 0,
+                          "decode_steps": 0, "requests": 0}
+        self._shared: OrderedDict[tuple, _SessionCache] = OrderedDict()  # first contexts of sessions, LRU first
         self._supported: bool | None = None
         # the running batch (touched by the scheduler thread only)
         self._rows: list[_SessionRequest] = []
@@ -244,11 +266,13 @@ class _SessionScheduler:
 
     def stats(self) -> dict:
         with self._cond:
-            return {**self._counters, "cached_tokens": sum(len(c.tokens) for c in self._caches.values())}
+            return {**self._counters, "cached_tokens": sum(len(c.tokens) for c in self._caches.values()),
+                    "shared_contexts": len(self._shared)}
 
     def drop_caches(self) -> None:
         with self._cond:
             self._caches.clear()
+            self._shared.clear()
 
     def paused_for_update(self):
         """Context manager: hold new requests back, let the running ones finish, then hold the model."""
@@ -321,19 +345,26 @@ class _SessionScheduler:
             for request in rows:
                 self._finish(request, None, error=exc)
 
-    def _take_cache(self, request: _SessionRequest) -> tuple[list | None, int]:
-        """The session's cached ``(keys, values)`` per layer and how many of its ids ``request.context``
-        can reuse (``0``: none, the cache is stale or absent)."""
+    def _take_cache(self, request: _SessionRequest) -> tuple[list | None, int, bool]:
+        """The cached ``(keys, values)`` per layer that ``request.context`` can reuse most of, how
+        many of its ids that is (``0``: none), and whether they come from another session (the
+        shared store of first contexts) rather than the session's own cache."""
+        version = self.engine.weight_version
         with self._cond:
-            cached = self._caches.pop(request.session_id, None)
-        if cached is None or cached.weight_version != self.engine.weight_version:
-            return None, 0
-        common = 0
-        for a, b in zip(cached.tokens, request.context):
-            if a != b:
-                break
-            common += 1
-        return cached.kv, min(common, len(request.context) - 1)  # at least one id to prefill, for its logits
+            own = self._caches.pop(request.session_id, None)
+            candidates = [(c, False) for c in (own,) if c is not None and c.weight_version == version]
+            candidates += [(c, True) for c in self._shared.values() if c.weight_version == version]
+        best, reuse, shared = None, 0, False
+        for cached, from_store in candidates:
+            common = _common_prefix(cached.tokens, request.context)
+            if common > reuse:
+                best, reuse, shared = cached, common, from_store
+        if best is None:
+            return None, 0, False
+        if shared:
+            with self._cond:
+                self._shared.move_to_end(tuple(best.tokens), last=True)
+        return best.kv, min(reuse, len(request.context) - 1), shared  # at least one id to prefill, for its logits
 
     def _step_admissions(self, admit: list[_SessionRequest]) -> None:
         """Prefill the admitted requests in groups of similar suffix length (padding costs compute)."""
@@ -343,7 +374,10 @@ class _SessionScheduler:
                 self._finish(request, None)
                 continue
             request.weight_version = self.engine.weight_version
-            kv, reuse = self._take_cache(request)
+            kv, reuse, shared = self._take_cache(request)
+            with self._cond:
+                self._counters["shared_tokens" if shared else "reused_tokens"] += reuse
+            request.shareable = shared or reuse == 0
             taken.append((len(request.context) - reuse, request, kv, reuse))
         taken.sort(key=lambda t: t[0])
         group: list = []
@@ -374,6 +408,14 @@ class _SessionScheduler:
 
         engine, dev = self.engine, self.engine.device
         requests = [request for request, _, _ in group]
+        # identical requests (same context, same cache to extend) are computed once: the siblings
+        # of a GRPO group open their sessions with the same prompt
+        first_of: dict[tuple, int] = {}
+        copy_of = [first_of.setdefault((id(kv) if reuse else None, reuse, tuple(request.context)), row)
+                   for row, (request, kv, reuse) in enumerate(group)]
+        distinct = sorted(set(copy_of))
+        shareable = [row for row in distinct if group[row][0].shareable]
+        original, group = group, [group[row] for row in distinct]
         reuses = [reuse for _, _, reuse in group]
         suffixes = [request.context[reuse:] for request, _, reuse in group]
         b, wc, ws = len(group), max(reuses), max(len(x) for x in suffixes)
@@ -401,12 +443,14 @@ class _SessionScheduler:
         attention = attention.to(dev)
         out = engine.model(input_ids=input_ids.to(dev), attention_mask=attention, position_ids=positions.to(dev),
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+        copies = len(requests) - b
         with self._cond:
             self._counters["prefill_forwards"] += 1
             self._counters["prefill_tokens"] += sum(len(x) for x in suffixes)
-            self._counters["reused_tokens"] += sum(reuses)
+            self._counters["shared_tokens"] += sum(len(request.context) - reuse for row, (request, _, reuse)
+                                                   in enumerate(original) if copy_of[row] != row)
         # compact: each row's real columns, in order, right-aligned to width n = longest context
-        lengths = [len(r.context) for r in requests]
+        lengths = [len(r.context) for r, _, _ in group]
         n = max(lengths)
         source = torch.zeros((b, n), dtype=torch.long)
         for row, length in enumerate(lengths):
@@ -415,11 +459,20 @@ class _SessionScheduler:
         for layer in cache.layers:
             index = source[:, None, :, None].expand(b, layer.keys.shape[1], n, layer.keys.shape[3])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        self._store_shared([(group[distinct.index(row)][0].context, distinct.index(row)) for row in shareable], cache, n)
+        logits = out.logits[:, -1, :]
+        if copies:  # give every request its row: the copies share their first's keys, values and logits
+            expand = torch.tensor([distinct.index(first) for first in copy_of], dtype=torch.long, device=dev)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, expand), layer.values.index_select(0, expand)
+            logits = logits.index_select(0, expand)
+        b = len(requests)
+        lengths = [len(r.context) for r in requests]
         mask = torch.zeros((b, n), dtype=torch.long, device=dev)
         for row, (request, length) in enumerate(zip(requests, lengths)):
             mask[row, n - length:] = 1
             request.cached = list(request.context)
-        finished = self._sample(requests, out.logits[:, -1, :])
+        finished = self._sample(requests, logits)
         done = [row for row, f in enumerate(finished) if f]
         for row in done:
             self._finish(requests[row], [(layer.keys[row : row + 1, :, n - lengths[row]:].clone(),
@@ -430,6 +483,24 @@ class _SessionScheduler:
             if len(keep) < b:
                 mask = _select_rows(cache, mask, keep)
             self._join([requests[row] for row in keep], cache, mask)
+
+    def _store_shared(self, contexts: list, cache, width: int) -> None:
+        """Keep the keys and values of contexts computed without a session's own cache (rows of
+        the compacted ``cache``, right-aligned to ``width``) for other sessions that open with the
+        same ids."""
+        version = self.engine.weight_version
+        for context, row in contexts:
+            key = tuple(context)
+            kv = [(layer.keys[row : row + 1, :, width - len(context):].clone(),
+                   layer.values[row : row + 1, :, width - len(context):].clone()) for layer in cache.layers]
+            with self._cond:
+                self._shared[key] = _SessionCache(list(context), kv, version)
+                self._shared.move_to_end(key, last=True)
+                # bounded like the session caches: at most half their token budget, and 64 contexts
+                total = sum(len(c.tokens) for c in self._shared.values())
+                while len(self._shared) > _SHARED_CONTEXTS or (total > self.session_cache_tokens // 2 and len(self._shared) > 1):
+                    _, dropped = self._shared.popitem(last=False)
+                    total -= len(dropped.tokens)
 
     def _join(self, requests: list[_SessionRequest], cache, mask: torch.Tensor) -> None:
         """Append rows (``cache`` and ``mask`` left-padded like the batch) to the running batch."""
