@@ -331,3 +331,43 @@ def test_stop_strings_and_eos_end_a_session_turn_like_generate(engine, prompts):
     assert (stopped.token_ids, stopped.finish_reason, stopped.stop_string) == (expected.token_ids, "stop", stop)
     assert ended.finish_reason == "eos" and ended.token_ids == free.token_ids[:3]
     engine.end_session("stop")
+
+
+def test_growing_cache_layers_write_in_place_and_equal_dynamic_cache(engine, prompts):
+    """``new_kv_cache``'s layers give the logits ``DynamicCache`` gives, bit for bit, through a
+    left-padded prefill, decode steps and a row selection; a decode step within the spare room
+    writes into the same buffer."""
+    from transformers import DynamicCache
+
+    from actors.engines.hf import new_kv_cache
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), engine.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+
+    def run(cache):
+        m, positions, logits, pointers = mask.clone(), (mask.cumsum(1) - 1).clamp(min=0), [], []
+        with torch.inference_mode():
+            out = engine.model(input_ids=ids, attention_mask=m, position_ids=positions, past_key_values=cache, use_cache=True)
+            nxt, pos = out.logits[:, -1].argmax(-1), positions[:, -1]
+            logits.append(out.logits[:, -1])
+            for step in range(6):
+                if step == 3:  # the first row finishes: select the others
+                    keep = torch.tensor([1, 2])
+                    cache.batch_select_indices(keep)
+                    m, nxt, pos = m[keep], nxt[keep], pos[keep]
+                m, pos = torch.cat([m, m.new_ones((len(m), 1))], 1), pos + 1
+                out = engine.model(input_ids=nxt[:, None], attention_mask=m, position_ids=pos[:, None],
+                                   past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1)
+                logits.append(out.logits[:, -1])
+                pointers.append(cache.layers[0].keys.data_ptr())
+        return logits, pointers
+
+    reference, _ = run(DynamicCache(config=engine.model.config))
+    grown, pointers = run(new_kv_cache(engine.model.config))
+    assert all(torch.equal(a, b) for a, b in zip(reference, grown))
+    assert pointers[0] == pointers[1] == pointers[2]  # in place
+    assert pointers[3] != pointers[2] and pointers[3] == pointers[4] == pointers[5]  # one copy after the selection
