@@ -14,7 +14,9 @@
    (passage or graph, per search), so whatever routing the agent ends up with comes from RL;
 3. **stage 1** RouteRAG GRPO (reward = EM), then **stage 2** (EM + batch-centred efficiency with
    the deterministic retrieval cost: a graph search costs about 140x a passage search here), each
-   followed by a greedy evaluation on the held-out questions.
+   followed by two evaluations on the held-out questions: greedy, and sampled at the training
+   temperature with ``--eval-samples`` episodes per question (greedy decoding turns a policy's
+   preference for a mode into 0 % or 100 %, so mode shares are read from the sampled one).
 
 It writes ``report.json``, ``report.md`` and PNG curves under ``--out``: per question type and
 stage, EM and graph share (mean and spread over seeds), retrieval cost per question, and the
@@ -57,10 +59,29 @@ class RoutingTask:
     corpus: object
     kinds: dict[str, str] = field(default_factory=dict)  # question id -> "graph_only" | "direct"
 
-    def heldout_dataset(self) -> list[dict]:
+    def heldout_dataset(self, samples: int = 1) -> list[dict]:
+        """The held-out questions as an evaluation dataset; ``samples`` > 1 repeats each question
+        that many times under ids ``<id>~<j>`` (each its own sampling stream), to measure what a
+        sampling policy does rather than its single most likely episode."""
+        questions = self.world_dir / "heldout_questions.jsonl"
+        if samples > 1:
+            questions = self.world_dir / f"heldout_questions_x{samples}.jsonl"
+            copies = repeated_questions(self.heldout, samples)
+            self.kinds.update({q.id: self.kinds[q.id.rsplit("~", 1)[0]] for q in copies})
+            if not questions.exists():
+                from raggym.data import write_questions
+
+                write_questions(questions, copies)
         return [{"name": "routing-heldout", "source": "files", "corpus": str(self.world_dir / "corpus.jsonl"),
-                 "questions": str(self.world_dir / "heldout_questions.jsonl"),
-                 "openie": str(self.world_dir / "openie.json"), "index_dir": str(self.index_dir)}]
+                 "questions": str(questions), "openie": str(self.world_dir / "openie.json"),
+                 "index_dir": str(self.index_dir)}]
+
+
+def repeated_questions(questions, samples: int) -> list:
+    """Each question ``samples`` times, the copies named ``<id>~0`` ... ``<id>~<samples-1>``."""
+    import dataclasses
+
+    return [dataclasses.replace(q, id=f"{q.id}~{j}") for q in questions for j in range(samples)]
 
 
 def build_task(out: Path, *, seed: int, entities: int, questions: int, heldout: int, show_progress: bool = True) -> RoutingTask:
@@ -147,12 +168,13 @@ def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
     return rows
 
 
-def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict) -> tuple[dict, dict]:
-    """Greedy held-out evaluation of ``policy``: (per-type metrics, ``evaluate``'s results)."""
+def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict, samples: int = 1) -> tuple[dict, dict]:
+    """Held-out evaluation of ``policy`` (greedy unless ``eval_kwargs`` sets a temperature;
+    ``samples`` episodes per question): (per-type metrics, ``evaluate``'s results)."""
     from experiments.evaluate import evaluate
     from experiments.report import read_jsonl
 
-    results = evaluate(policy, task.heldout_dataset(), ["agent"], out, **eval_kwargs)
+    results = evaluate(policy, task.heldout_dataset(samples), ["agent"], out, **eval_kwargs)
     return typed_metrics(read_jsonl(out / "trajectories" / "routing-heldout__agent.jsonl"), task.kinds), results
 
 
@@ -172,6 +194,11 @@ class SeedSettings:
     prompts_per_step: int = 8
     group_size: int = 4
     lr: float | None = None  # None: routing_grpo.yaml's
+    # Besides the greedy evaluation, each stage is evaluated by sampling (the training temperature)
+    # eval_samples episodes per held-out question: greedy decoding turns any preference for a
+    # mode into 0 % or 100 %, so mode shares are read from the sampled evaluation. 0: greedy only.
+    eval_samples: int = 4
+    eval_temperature: float = 1.0
     policy: str = "smollm2-135m"
     overrides: tuple = ()  # extra key=value for the RL config
 
@@ -195,11 +222,18 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
                   seed=seed, show_progress=show_progress)
     timings["sft"] = round(time.perf_counter() - t0, 1)
-    evals, results = {}, {}
-    t0 = time.perf_counter()
-    evals["after SFT"], results["after SFT"] = evaluate_policy(sft["policy_dir"], task, out / "eval" / "sft",
-                                                               {**eval_kwargs, "seed": seed})
-    timings["eval_sft"] = round(time.perf_counter() - t0, 1)
+    evals, sampled, results = {}, {}, {}
+
+    def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
+        t = time.perf_counter()
+        evals[stage], results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder, {**eval_kwargs, "seed": seed})
+        if s.eval_samples > 0:
+            sampled[stage], _ = evaluate_policy(policy_dir, task, out / "eval" / f"{folder}_sampled",
+                                                {**eval_kwargs, "seed": seed, "temperature": s.eval_temperature},
+                                                samples=s.eval_samples)
+        timings[f"eval_{folder}"] = round(time.perf_counter() - t, 1)
+
+    evaluate_stage("after SFT", sft["policy_dir"], "sft")
 
     run_dir = out / "grpo"
     total = s.stage1_steps + s.stage2_steps
@@ -217,11 +251,8 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
         # ``total`` steps; its reward switches at ``stage2_start``.
         train(load_config(str(RL_CONFIG), [*base, f"run.steps={steps}", "run.resume=true"]))
         timings[stage.replace(" ", "")] = round(time.perf_counter() - t0, 1)
-        t0 = time.perf_counter()
-        evals[f"after {stage}"], results[f"after {stage}"] = evaluate_policy(
-            str(run_dir), task, out / "eval" / stage.replace(" ", ""), {**eval_kwargs, "seed": seed})
-        timings[f"eval_{stage.replace(' ', '')}"] = round(time.perf_counter() - t0, 1)
-    return {"seed": seed, "evaluations": evals, "results": results,
+        evaluate_stage(f"after {stage}", str(run_dir), stage.replace(" ", ""))
+    return {"seed": seed, "evaluations": evals, "sampled_evaluations": sampled, "results": results,
             "curves": training_curves(run_dir / "trajectories", task.kinds),
             "train_metrics": read_jsonl(run_dir / "metrics.jsonl"), "sft": {k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
             "seconds": timings}
@@ -238,23 +269,29 @@ def _spread(values: list[float]) -> dict:
             "std": statistics.pstdev(values) if len(values) > 1 else 0.0}
 
 
-def summarise(seed_runs: list[dict]) -> dict:
-    """Mean and spread over seeds of every (stage, type, metric)."""
+def summarise(seed_runs: list[dict], key: str = "evaluations") -> dict:
+    """Mean and spread over seeds of every (stage, type, metric) of the ``key`` evaluations
+    (``"evaluations"``: greedy; ``"sampled_evaluations"``); {} when the runs have none."""
     table: dict = {}
+    if not all(r.get(key) for r in seed_runs):
+        return table
     for stage in STAGES:
-        for kind in seed_runs[0]["evaluations"][stage]:
+        for kind in seed_runs[0][key][stage]:
             for metric in ("em", "graph_share", "cost_per_question", "searches_per_question"):
-                values = [r["evaluations"][stage][kind][metric] for r in seed_runs]
+                values = [r[key][stage][kind][metric] for r in seed_runs]
                 table.setdefault(stage, {}).setdefault(kind, {})[metric] = {**_spread(values), "per_seed": values}
     return table
 
 
-def rl_effect(table: dict, seeds: int) -> list[dict]:
-    """The ``rl_effect`` entries: RL's change on the graph-needing type, and stage 2's on cost."""
+def rl_effect(table: dict, seeds: int, decoding: str = "greedy") -> list[dict]:
+    """The ``rl_effect`` entries: RL's change on the graph-needing type, and stage 2's on cost,
+    each tagged with the evaluation's ``decoding``."""
     def mean(stage, kind, metric):
         return table[stage][kind][metric]["mean"]
 
-    return [
+    if not table:
+        return []
+    entries = [
         {"question_type": "graph_only", "metric": "em", "after_sft": mean("after SFT", "graph_only", "em"),
          "after_rl": mean("after stage 1", "graph_only", "em"), "rl_stage": "stage 1", "seeds": seeds},
         {"question_type": "graph_only", "metric": "graph_share", "after_sft": mean("after SFT", "graph_only", "graph_share"),
@@ -263,6 +300,7 @@ def rl_effect(table: dict, seeds: int) -> list[dict]:
          "after_stage1": mean("after stage 1", "all", "cost_per_question"),
          "after_rl": mean("after stage 2", "all", "cost_per_question"), "rl_stage": "stage 2", "seeds": seeds},
     ]
+    return [{**e, "decoding": decoding} for e in entries]
 
 
 def plot(out: Path, seed_runs: list[dict], stage1_steps: int) -> dict[str, str]:
@@ -304,21 +342,24 @@ def markdown(report: dict) -> str:
     for kind, r in report["recall"].items():
         lines.append(f"| {kind} | {r['questions']} | {r['passage_recall']:.3f} | {r['graph_recall']:.3f} | "
                      f"{r['passage_cost']:.0f} | {r['graph_cost']:.0f} |")
-    lines += ["", "## Held-out results (mean over seeds, [min, max])", "",
-              "| stage | type | EM | graph share | searches / q | cost / q |", "|---|---|---|---|---|---|"]
-
     def cell(d):
         if d["mean"] is None:
             return "n/a"
         return f"{d['mean']:.3f} [{d['min']:.3f}, {d['max']:.3f}]"
 
-    for stage, kinds in report["table"].items():
-        for kind, m in kinds.items():
-            lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | "
-                         f"{m['searches_per_question']['mean']:.2f} | {m['cost_per_question']['mean']:.0f} |")
+    samples = report.get("settings", {}).get("eval_samples", 0)
+    for title, key in (("greedy", "table"), (f"sampled, {samples} episodes per question", "sampled_table")):
+        if not report.get(key):
+            continue
+        lines += ["", f"## Held-out results, {title} (mean over seeds, [min, max])", "",
+                  "| stage | type | EM | graph share | searches / q | cost / q |", "|---|---|---|---|---|---|"]
+        for stage, kinds in report[key].items():
+            for kind, m in kinds.items():
+                lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | "
+                             f"{m['searches_per_question']['mean']:.2f} | {m['cost_per_question']['mean']:.0f} |")
     lines += ["", "## RL effect", ""]
     for e in report["rl_effect"]:
-        lines.append(f"- {e['question_type']} {e['metric']}: after SFT {e['after_sft']:.3f} -> after RL ({e['rl_stage']}) "
+        lines.append(f"- {e['question_type']} {e['metric']} ({e['decoding']}): after SFT {e['after_sft']:.3f} -> after RL ({e['rl_stage']}) "
                      f"{e['after_rl']:.3f}" + (f" (after stage 1 {e['after_stage1']:.3f})" if "after_stage1" in e else ""))
     lines += ["", "## Targets", ""]
     for t in report["targets"]:
@@ -327,8 +368,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def targets(table: dict) -> list[dict]:
+def targets(table: dict, decoding: str = "greedy") -> list[dict]:
     """The issue's targets, computed from the table (reported whether met or not)."""
+    return [{**t, "name": f"{t['name']} ({decoding})"} for t in _targets(table)]
+
+
+def _targets(table: dict) -> list[dict]:
     sft_em, s1_em = table["after SFT"]["graph_only"]["em"]["mean"], table["after stage 1"]["graph_only"]["em"]["mean"]
     share = table["after stage 1"]["graph_only"]["graph_share"]["mean"] or 0.0
     c1, c2 = table["after stage 1"]["all"]["cost_per_question"]["mean"], table["after stage 2"]["all"]["cost_per_question"]["mean"]
@@ -389,12 +434,14 @@ def run(args) -> dict:
         _say(f"seed {seed}")
         runs.append(run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS))
         atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
-    table = summarise(runs)
+    table, sampled_table = summarise(runs), summarise(runs, "sampled_evaluations")
     report = {"title": "RL teaches routing: SmolLM2-135M on the routing task (CPU)",
               "command": "python -m experiments.routing " + " ".join(sys.argv[1:]),
               "machine": f"{platform.platform()}, {__import__('os').cpu_count()} CPUs",
               "seeds": list(args.seeds), "settings": vars(settings), "recall": recall, "table": table,
-              "rl_effect": rl_effect(table, len(runs)), "targets": targets(table),
+              "sampled_table": sampled_table,
+              "rl_effect": rl_effect(table, len(runs)) + rl_effect(sampled_table, len(runs), "sampled"),
+              "targets": targets(table) + (targets(sampled_table, "sampled") if sampled_table else []),
               "seed_runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
               "seconds": round(time.perf_counter() - started, 1)}
     report["plots"] = plot(out, runs, settings.stage1_steps)

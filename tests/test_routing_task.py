@@ -119,6 +119,22 @@ def test_typed_metrics_by_hand():
         typed_metrics([_episode("zz", 1.0, [], 0.0)], kinds)
 
 
+def test_repeated_heldout_questions_keep_their_type(tmp_path, world):
+    from experiments.routing import RoutingTask, repeated_questions
+    from raggym.data import write_questions
+
+    heldout = world.questions[:5]
+    copies = repeated_questions(heldout, 3)
+    assert [q.id for q in copies[:3]] == [f"{heldout[0].id}~{j}" for j in range(3)] and len(copies) == 15
+    assert all(c.question == heldout[i // 3].question for i, c in enumerate(copies))
+    write_questions(tmp_path / "heldout_questions.jsonl", heldout)
+    task = RoutingTask(tmp_path, tmp_path / "index", [], heldout, None, {q.id: q.kind for q in heldout})
+    (dataset,) = task.heldout_dataset(3)
+    assert dataset["questions"].endswith("heldout_questions_x3.jsonl")
+    assert task.kinds[f"{heldout[4].id}~2"] == heldout[4].kind
+    assert task.heldout_dataset()[0]["questions"].endswith("heldout_questions.jsonl")
+
+
 def _run(seed, graph_em, graph_share_, cost1, cost2, em1=0.6, em2=0.6):
     def stage(em_alias, share, cost, em_all):
         return {"graph_only": {"em": em_alias, "graph_share": share, "cost_per_question": cost, "searches_per_question": 1.0},
@@ -137,12 +153,18 @@ def test_summary_effect_and_targets_by_hand():
     effect = {(e["question_type"], e["metric"]): e for e in rl_effect(table, 2)}
     assert effect[("graph_only", "em")]["after_sft"] == pytest.approx(0.25) and effect[("graph_only", "em")]["after_rl"] == 0.5
     assert effect[("all", "cost_per_question")]["after_rl"] == 70.0 and effect[("all", "cost_per_question")]["seeds"] == 2
-    met = {t["name"]: t for t in targets(table)}
+    assert {e["decoding"] for e in effect.values()} == {"greedy"}
+    met = {t["name"].removesuffix(" (greedy)"): t for t in targets(table)}
     assert met["graph-only EM gain, stage 1 over SFT"]["value"] == pytest.approx(0.25) and met["graph-only EM gain, stage 1 over SFT"]["met"]
     assert met["graph-only graph share after stage 1"]["value"] == pytest.approx(0.85)
     assert met["cost per question, stage 2 / stage 1"]["value"] == pytest.approx(0.7)
     # EM moved by -0.01 (0.65 -> 0.64) within the seed spread 0.12: met; a 0.2 drop would not be
     assert met["EM change stage 1 -> stage 2 (all) vs seed spread"]["met"]
+    # the sampled evaluations are summarised the same way, under their own key; absent: no table
+    sampled = [{**r, "sampled_evaluations": r["evaluations"]} for r in runs]
+    assert summarise(sampled, "sampled_evaluations") == table and summarise(runs, "sampled_evaluations") == {}
+    assert rl_effect({}, 2, "sampled") == []
+    assert {e["decoding"] for e in rl_effect(table, 2, "sampled")} == {"sampled"}
     worse = targets(summarise([_run(0, (0.2, 0.3), (0.4, 0.5), 100.0, 90.0, 0.6, 0.3),
                                _run(1, (0.3, 0.35), (0.6, 0.5), 100.0, 95.0, 0.62, 0.35)]))
     assert not any(t["met"] for t in worse)
