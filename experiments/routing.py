@@ -392,6 +392,24 @@ def _targets(table: dict) -> list[dict]:
 # ----------------------------------------------------------------------------- main
 
 
+def _seed_settings_key(settings: SeedSettings, args) -> dict:
+    """What a seed's result depends on besides the seed: its settings and the task's."""
+    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
+            "world_seed": args.world_seed, "entities": args.entities, "questions": args.questions,
+            "heldout": args.heldout}
+
+
+def finished_seed(seed_dir: Path, settings: SeedSettings, args) -> dict | None:
+    """The seed report an earlier invocation wrote with the same settings, or None (absent,
+    unreadable, or other settings: the seed runs again)."""
+    path = seed_dir / "seed_report.json"
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if report.get("settings") == _seed_settings_key(settings, args) else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.routing", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/routing")
@@ -431,8 +449,14 @@ def run(args) -> dict:
                             overrides=tuple(args.overrides))
     runs = []
     for seed in args.seeds:
+        done = finished_seed(out / f"seed{seed}", settings, args)
+        if done is not None:  # a seed is an hour of CPU: one finished in an earlier invocation is kept
+            _say(f"seed {seed}: finished earlier with the same settings, read from {out / f'seed{seed}'}")
+            runs.append(done)
+            continue
         _say(f"seed {seed}")
-        runs.append(run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS))
+        runs.append({**run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS),
+                     "settings": _seed_settings_key(settings, args)})
         atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
     table, sampled_table = summarise(runs), summarise(runs, "sampled_evaluations")
     report = {"title": "RL teaches routing: SmolLM2-135M on the routing task (CPU)",

@@ -3,6 +3,8 @@ report's arithmetic (``experiments.routing``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -168,3 +170,17 @@ def test_summary_effect_and_targets_by_hand():
     worse = targets(summarise([_run(0, (0.2, 0.3), (0.4, 0.5), 100.0, 90.0, 0.6, 0.3),
                                _run(1, (0.3, 0.35), (0.6, 0.5), 100.0, 95.0, 0.62, 0.35)]))
     assert not any(t["met"] for t in worse)
+
+
+def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
+    from experiments.routing import SeedSettings, _seed_settings_key, build_parser, finished_seed
+
+    args = build_parser().parse_args(["--seeds", "0"])
+    settings = SeedSettings(overrides=("learner.optimizer.lr=1e-5",))
+    assert finished_seed(tmp_path, settings, args) is None  # nothing there
+    (tmp_path / "seed_report.json").write_text(json.dumps({"seed": 0, "settings": _seed_settings_key(settings, args)}))
+    assert finished_seed(tmp_path, settings, args)["seed"] == 0
+    assert finished_seed(tmp_path, SeedSettings(stage1_steps=3), args) is None  # other settings: run again
+    assert finished_seed(tmp_path, settings, build_parser().parse_args(["--heldout", "10"])) is None  # other task
+    (tmp_path / "seed_report.json").write_text("{not json")
+    assert finished_seed(tmp_path, settings, args) is None
