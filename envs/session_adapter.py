@@ -26,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
-if TYPE_CHECKING:  # the engines' result types; envs works with any engine that returns them
-    from actors.engines.base import GenerationResult, SamplingParams
+# envs sits below actors, so the engines' types are not imported here: a result is any dataclass
+# with token_ids / logprobs / finish_reason / stop_string / text (actors.engines.base.GenerationResult),
+# and sampling is passed through to the engine untouched.
+GenerationResult = Any
+SamplingParams = Any
 
-BatchGenerate = Callable[[list[list[int]], Any, list[str], int], Awaitable[list["GenerationResult"]]]
+BatchGenerate = Callable[[list[list[int]], Any, list[str], int], Awaitable[list[GenerationResult]]]
 
 
 def is_session_engine(engine) -> bool:

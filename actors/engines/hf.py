@@ -411,7 +411,9 @@ class _SessionScheduler:
             candidates = [(c, False) for c in (own,) if c is not None and c.weight_version == version]
             candidates += [(c, True) for c in self._shared.values() if c.weight_version == version]
         best, reuse, shared = None, 0, False
-        for cached, from_store in candidates:
+        for cached, from_store in candidates:  # the session's own cache first: it usually covers all but the new ids
+            if reuse >= len(request.context) - 1 or len(cached.tokens) <= reuse:
+                continue  # nothing longer to gain from this one
             common = _common_prefix(cached.tokens, request.context)
             if common > reuse:
                 best, reuse, shared = cached, common, from_store
@@ -513,10 +515,11 @@ class _SessionScheduler:
         for layer in cache.layers:
             index = source[:, None, :, None].expand(b, layer.keys.shape[1], n, layer.keys.shape[3])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        self._store_shared([(group[distinct.index(row)][0].context, distinct.index(row)) for row in shareable], cache, n)
+        row_of = {original_row: row for row, original_row in enumerate(distinct)}  # request row -> computed row
+        self._store_shared([(group[row_of[r]][0].context, row_of[r]) for r in shareable], cache, n)
         logits = out.logits[:, -1, :]
         if copies:  # give every request its row: the copies share their first's keys, values and logits
-            expand = torch.tensor([distinct.index(first) for first in copy_of], dtype=torch.long, device=dev)
+            expand = torch.tensor([row_of[first] for first in copy_of], dtype=torch.long, device=dev)
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys.index_select(0, expand), layer.values.index_select(0, expand)
             logits = logits.index_select(0, expand)
