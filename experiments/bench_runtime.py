@@ -18,7 +18,10 @@
    the two runs alternate when ``--repeats`` > 1, and the sums are compared.
 2. ``rollout_over_generate``: the async loop's tokens/s over plain single-turn ``generate`` of the
    same episodes' prompts, with EOS switched off and ``max_new_tokens`` = the rollout's mean model
-   tokens per episode, so both produce the same number of tokens.
+   tokens per episode, so both produce the same number of tokens. With ``--repeats`` > 1 a plain
+   run follows each repeat's loops and the figures are pooled (sums of tokens over sums of
+   seconds), so a drift of the machine's speed during the run weighs on both sides;
+   ``rollout_over_generate_per_repeat`` lists each repeat's own ratio.
 3. Ray retrieval service throughput over the in-process ``Retriever`` (the same index, shards and
    mode) at batch 32 and 64.
 
@@ -111,12 +114,27 @@ def _run_loop(loop: str, engine, retriever, questions, group_size: int, seed: in
             "prompts": [list(r.token_ids[: r.prompt_length]) for r in trajs]}
 
 
+def _plain_generate(engine, async_run: dict, seed: int) -> dict:
+    """Plain generate of an async run's prompts, as many tokens per prompt as that run's mean."""
+    from actors.engines.base import SamplingParams
+
+    prompts = async_run["prompts"]
+    per_prompt = max(1, round(async_run["model_tokens"] / len(prompts)))
+    eos, engine.eos_token_ids = engine.eos_token_ids, set()  # run every prompt to max_new_tokens
+    try:
+        t, cpu = time.perf_counter(), time.process_time()
+        plain = engine.generate(prompts, SamplingParams(temperature=1.0, seed=seed), (), per_prompt)
+        seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
+    finally:
+        engine.eos_token_ids = eos
+    return {"tokens": sum(len(r.token_ids) for r in plain), "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
 def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: int = 4, group_size: int = 4,
                   threads: int = 1, repeats: int = 1, seed: int = 1) -> dict:
     """The async and wave loops side by side on one demo-sized step, and plain generate (see above)."""
     import torch
 
-    from actors.engines.base import SamplingParams
     from actors.engines.hf import HFEngine
 
     torch.set_num_threads(threads)
@@ -125,23 +143,15 @@ def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: i
     _run_loop("async", engine, retriever, qs[:1], 1, seed + 999)  # warm-up: first-call costs of both paths
     _run_loop("waves", engine, retriever, qs[:1], 1, seed + 999)
     runs: dict[str, list[dict]] = {"async": [], "waves": []}
+    plains: list[dict] = []
     for r in range(repeats):
         for loop in (("async", "waves") if r % 2 == 0 else ("waves", "async")):
             runs[loop].append(_run_loop(loop, engine, retriever, qs, group_size, seed + r))
+        plains.append(_plain_generate(engine, runs["async"][-1], seed + r))
     tok_s = {loop: sum(x["model_tokens"] for x in rs) / sum(x["seconds"] for x in rs) for loop, rs in runs.items()}
     tok_cpu_s = {loop: sum(x["model_tokens"] for x in rs) / sum(x["cpu_seconds"] for x in rs) for loop, rs in runs.items()}
-
-    # plain generate of the same prompts, as many tokens as the async rollout sampled per episode
-    prompts = runs["async"][0]["prompts"]
-    per_prompt = max(1, round(runs["async"][0]["model_tokens"] / len(prompts)))
-    eos, engine.eos_token_ids = engine.eos_token_ids, set()  # run every prompt to max_new_tokens
-    try:
-        t, cpu = time.perf_counter(), time.process_time()
-        plain = engine.generate(prompts, SamplingParams(temperature=1.0, seed=seed), (), per_prompt)
-        plain_seconds, plain_cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
-    finally:
-        engine.eos_token_ids = eos
-    plain_tokens = sum(len(r.token_ids) for r in plain)
+    plain_tokens = sum(x["tokens"] for x in plains)
+    plain_seconds, plain_cpu_seconds = sum(x["seconds"] for x in plains), sum(x["cpu_seconds"] for x in plains)
     plain_tok_s, plain_tok_cpu_s = plain_tokens / plain_seconds, plain_tokens / plain_cpu_seconds
     stats = engine.session_stats() if hasattr(engine, "session_stats") else {}
     engine_close = getattr(engine, "close", None)
@@ -155,6 +165,9 @@ def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: i
             "async_tok_s": round(tok_s["async"], 2), "waves_tok_s": round(tok_s["waves"], 2),
             "plain_tokens": plain_tokens, "plain_seconds": round(plain_seconds, 3), "plain_tok_s": round(plain_tok_s, 2),
             "plain_cpu_seconds": round(plain_cpu_seconds, 3),
+            # each repeat's async run over the plain generate run right after it (the spread of the pooled figure)
+            "rollout_over_generate_per_repeat": [
+                round((a["model_tokens"] / a["seconds"]) / (x["tokens"] / x["seconds"]), 3) for a, x in zip(runs["async"], plains)],
             "async_over_waves": round(tok_s["async"] / tok_s["waves"], 3),
             "rollout_over_generate": round(tok_s["async"] / plain_tok_s, 3),
             "waves_over_generate": round(tok_s["waves"] / plain_tok_s, 3),

@@ -189,6 +189,9 @@ class SeedSettings:
     sft_epochs: int = 2
     sft_lr: float = 2e-4
     sft_batch: int = 8
+    # the modes SFT's golden searches draw from, uniformly: repeat a mode to weight it
+    # ("passage,passage,passage,graph" draws graph for a quarter of the searches)
+    sft_modes: str = "passage,graph"
     stage1_steps: int = 12
     stage2_steps: int = 8
     prompts_per_step: int = 8
@@ -218,7 +221,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     examples = golden_examples(task.train[: s.sft_examples], retriever, "routerag", load_policy_tokenizer(policy),
                                corpus=task.corpus, top_k=eval_kwargs["top_k"],
                                max_observation_tokens=eval_kwargs["max_observation_tokens"],
-                               modes=("passage", "graph"), mode_seed=seed, show_progress=show_progress)
+                               modes=sft_modes(s.sft_modes), mode_seed=seed, show_progress=show_progress)
     sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
                   seed=seed, show_progress=show_progress)
     timings["sft"] = round(time.perf_counter() - t0, 1)
@@ -392,6 +395,16 @@ def _targets(table: dict) -> list[dict]:
 # ----------------------------------------------------------------------------- main
 
 
+def sft_modes(spec: str) -> tuple[str, ...]:
+    """``"passage,passage,graph"`` -> the modes SFT draws from (checked: a typo would silently
+    teach a mode the environment rejects)."""
+    modes = tuple(m.strip() for m in spec.split(",") if m.strip())
+    unknown = sorted(set(modes) - {"passage", "graph"})
+    if not modes or unknown:
+        raise ValueError(f"--sft-modes: give a comma-separated list of 'passage' and 'graph', got {spec!r}")
+    return modes
+
+
 def _seed_settings_key(settings: SeedSettings, args) -> dict:
     """What a seed's result depends on besides the seed: its settings and the task's."""
     return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
@@ -447,6 +460,7 @@ def run(args) -> dict:
     init_ray(num_cpus=8)
     settings = SeedSettings(**{k: getattr(args, k) for k in vars(SeedSettings()) if k not in ("overrides", "policy")},
                             overrides=tuple(args.overrides))
+    sft_modes(settings.sft_modes)  # a bad spec fails here, not after the first seed's task is built
     runs = []
     for seed in args.seeds:
         done = finished_seed(out / f"seed{seed}", settings, args)

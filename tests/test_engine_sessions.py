@@ -371,3 +371,87 @@ def test_growing_cache_layers_write_in_place_and_equal_dynamic_cache(engine, pro
     assert all(torch.equal(a, b) for a, b in zip(reference, grown))
     assert pointers[0] == pointers[1] == pointers[2]  # in place
     assert pointers[3] != pointers[2] and pointers[3] == pointers[4] == pointers[5]  # one copy after the selection
+
+
+def test_rows_join_and_leave_the_growing_cache_in_place_with_the_logits_of_a_rebuilt_cache(engine, prompts):
+    """The running batch's row changes (``GrowingLayer.append_rows``: a longer row joins and the
+    batch widens on the left; ``move_rows``: two rows finish, the survivor moves into the first
+    hole and the columns that are padding in every kept row are dropped) give, bit for bit, the logits of a ``DynamicCache`` rebuilt
+    by concatenation and row selection, and copy no more than the moving rows."""
+    from transformers import DynamicCache
+
+    from actors.engines.hf import _pad_left, new_kv_cache
+
+    config = engine.model.config
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # the longest joins last
+    first, late = [prompts[i] for i in order[:2]], prompts[order[2]]
+    assert len(late) > max(len(p) for p in first)
+
+    def prefill(rows):
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), engine.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, p in enumerate(rows):
+            ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        cache = DynamicCache(config=config)
+        out = engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                           past_key_values=cache, use_cache=True)
+        return cache, mask, out.logits[:, -1].argmax(-1), mask.sum(1)
+
+    def run(batch, join, leave):
+        logits, buffers = [], []
+        with torch.inference_mode():
+            cache, mask, nxt, pos = prefill(first)
+            batch, mask = join(batch, None, cache, mask)
+            for step in range(7):
+                if step == 2:  # a longer row joins
+                    added, added_mask, added_next, added_pos = prefill([late])
+                    batch, mask = join(batch, mask, added, added_mask)
+                    nxt, pos = torch.cat([nxt, added_next]), torch.cat([pos, added_pos])
+                if step == 4:  # the first and the longest rows finish: the middle row moves to the front
+                    batch, mask = leave(batch, mask)
+                    nxt, pos = nxt[[1]], pos[[1]]
+                mask = torch.cat([mask, mask.new_ones((len(mask), 1))], 1)
+                out = engine.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
+                                   past_key_values=batch, use_cache=True)
+                nxt, pos = out.logits[:, -1].argmax(-1), pos + 1
+                logits.append(out.logits[:, -1])
+                buffers.append(getattr(batch.layers[0], "_buffer", (batch.layers[0].keys,))[0].data_ptr())
+        return logits, buffers
+
+    def join_by_concatenation(batch, mask, cache, added_mask):
+        if mask is None:
+            return cache, added_mask
+        width = max(mask.shape[1], added_mask.shape[1])
+        for layer, added in zip(batch.layers, cache.layers):
+            layer.keys = torch.cat([_pad_left(layer.keys, width - mask.shape[1], 2), _pad_left(added.keys, width - added_mask.shape[1], 2)])
+            layer.values = torch.cat([_pad_left(layer.values, width - mask.shape[1], 2), _pad_left(added.values, width - added_mask.shape[1], 2)])
+        return batch, torch.cat([_pad_left(mask, width - mask.shape[1], 1), _pad_left(added_mask, width - added_mask.shape[1], 1)])
+
+    def leave_by_selection(batch, mask):
+        mask = mask[[1]]
+        lead = int((mask.cumsum(1) == 0).sum(1).min())
+        assert lead > 0  # the longest row left its padding columns behind: the batch narrows
+        for layer in batch.layers:
+            layer.keys, layer.values = layer.keys[[1], :, lead:], layer.values[[1], :, lead:]
+        return batch, mask[:, lead:]
+
+    def join_in_place(batch, mask, cache, added_mask):
+        if mask is None:
+            batch, mask = new_kv_cache(config), added_mask[:0, :0]
+        width = max(mask.shape[1], added_mask.shape[1])
+        for layer, added in zip(batch.layers, cache.layers):
+            layer.append_rows(added.keys, added.values, row_room=4)
+        return batch, torch.cat([_pad_left(mask, width - mask.shape[1], 1), _pad_left(added_mask, width - added_mask.shape[1], 1)])
+
+    def leave_in_place(batch, mask):
+        mask = mask[[1]]
+        lead = int((mask.cumsum(1) == 0).sum(1).min())
+        for layer in batch.layers:
+            layer.move_rows([(1, 0)], 1, lead)
+        return batch, mask[:, lead:]
+
+    reference, _ = run(None, join_by_concatenation, leave_by_selection)
+    in_place, buffers = run(None, join_in_place, leave_in_place)
+    assert all(torch.equal(a, b) for a, b in zip(reference, in_place))
+    assert len(set(buffers)) == 1  # the join, the departure and every decode step wrote into one buffer

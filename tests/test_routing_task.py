@@ -184,3 +184,17 @@ def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
     assert finished_seed(tmp_path, settings, build_parser().parse_args(["--heldout", "10"])) is None  # other task
     (tmp_path / "seed_report.json").write_text("{not json")
     assert finished_seed(tmp_path, settings, args) is None
+
+
+def test_sft_modes_weight_the_draw_and_reject_typos(world):
+    from experiments.routing import sft_modes
+
+    assert sft_modes("passage, passage,graph") == ("passage", "passage", "graph")
+    for bad in ("", "passage,grpah", "text"):
+        with pytest.raises(ValueError, match="--sft-modes"):
+            sft_modes(bad)
+    # a mode listed three times out of four is drawn for about three searches in four
+    steps = [step["mode"] for q in with_search_modes(world.questions, sft_modes("passage,passage,passage,graph"), seed=3)
+             for step in q.golden_trajectory]
+    share = steps.count("graph") / len(steps)
+    assert len(steps) >= 100 and 0.12 < share < 0.38

@@ -159,6 +159,7 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 _SPARE_POSITIONS = 64  # room a cache layer keeps for coming tokens, so a decode step writes in place
+_SPARE_LEAD = 64  # room before the first column, so a joining row longer than the batch fits without a copy
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,39 +167,99 @@ def _growing_layer_class():  # built on first use: transformers is imported lazi
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
-        """``DynamicLayer`` that writes new keys and values into spare room of its buffer instead of
-        concatenating the whole cache at every step (which cost about a third of a decode step at
-        16 rows x 600 positions on CPU); ``keys``/``values`` are views of the buffer's filled part.
-        When other code replaces ``keys``/``values`` (row selection, joins), the next update copies
-        them into a new buffer once."""
+        """``DynamicLayer`` whose ``keys``/``values`` are views ``buffer[:rows, :, start:end]`` of a
+        larger zero-initialised buffer, so the running batch changes without copying all of it:
+
+        - ``update`` writes new keys and values into the spare columns after ``end`` (concatenating
+          the whole cache at every step cost about a third of a decode step at 16 rows x 600
+          positions on CPU);
+        - ``append_rows`` copies only the joining rows into spare rows;
+        - ``move_rows`` fills the holes of finished rows with rows from the end and shrinks the view.
+
+        When other code replaces ``keys``/``values`` (``batch_select_indices``, a gather), the next
+        call copies them into a new buffer once. Columns outside a row's context hold zeros or an
+        earlier row's finite values; the attention mask hides them (they must be finite: a masked
+        score's weight is 0, and ``0 * nan`` is not)."""
+
+        def _is_view(self) -> bool:
+            buffer = getattr(self, "_buffer", None)
+            if buffer is None or not self.keys.numel():
+                return False
+            rows, start = self.keys.shape[0], self._start
+            return all(rows <= room.shape[0] and view.data_ptr() == room[:rows, :, start:].data_ptr()
+                       and view.shape[1] == room.shape[1]
+                       and view.stride() == room.stride() and start + view.shape[2] <= room.shape[2]
+                       for view, room in zip((self.keys, self.values), buffer))
+
+        def _reserve(self, rows: int, lead: int, tail: int) -> None:
+            """A new buffer with ``rows`` rows and ``lead``/``tail`` free columns around the current
+            keys and values, which are copied in. It is not zeroed (first touches of a large zeroed
+            buffer cost more than the copy): ``append_rows`` zeroes what a row's mask hides."""
+            b, h, n, _ = self.keys.shape
+            self._buffer = tuple(t.new_empty((max(rows, b), h, lead + n + tail, t.shape[3]))
+                                 for t in (self.keys, self.values))
+            for room, t in zip(self._buffer, (self.keys, self.values)):
+                room[:b, :, lead : lead + n] = t
+            self._start = lead
+            self._set_view(b, n)
+
+        def _set_view(self, rows: int, width: int) -> None:
+            end = self._start + width
+            self.keys, self.values = (room[:rows, :, self._start : end] for room in self._buffer)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            n = self.keys.shape[-2] if self.keys.numel() else 0
             add = key_states.shape[-2]
-            buffer = getattr(self, "_buffer", None)
-            if not (n and buffer is not None and n + add <= buffer[0].shape[-2]
-                    and _views_start(self.keys, buffer[0]) and _views_start(self.values, buffer[1])):
-                b, h, _, d = key_states.shape
-                room = n + add + _SPARE_POSITIONS
-                buffer = (key_states.new_empty((b, h, room, d)), value_states.new_empty((b, h, room, value_states.shape[-1])))
-                if n:
-                    buffer[0][:, :, :n] = self.keys
-                    buffer[1][:, :, :n] = self.values
-                self._buffer = buffer
-            buffer[0][:, :, n : n + add] = key_states
-            buffer[1][:, :, n : n + add] = value_states
-            self.keys, self.values = buffer[0][:, :, : n + add], buffer[1][:, :, : n + add]
+            if not self.keys.numel():
+                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+                self._reserve(key_states.shape[0], 0, add + _SPARE_POSITIONS)
+            elif not (self._is_view() and self._start + self.keys.shape[2] + add <= self._buffer[0].shape[2]):
+                self._reserve(self.keys.shape[0], 0, add + _SPARE_POSITIONS)
+            rows, n = self.keys.shape[0], self.keys.shape[2]
+            end = self._start + n
+            self._buffer[0][:rows, :, end : end + add] = key_states
+            self._buffer[1][:rows, :, end : end + add] = value_states
+            self._set_view(rows, n + add)
             return self.keys, self.values
 
+        def append_rows(self, keys: torch.Tensor, values: torch.Tensor, row_room: int) -> None:
+            """Add rows whose (left-padded) keys and values end at this layer's last column; the
+            batch widens on the left when they are longer. ``row_room``: rows a new buffer holds."""
+            if not self.is_initialized:
+                self.lazy_initialization(keys, values)
+            b, n = (self.keys.shape[0], self.keys.shape[2]) if self.keys.numel() else (0, 0)
+            k, width = keys.shape[0], keys.shape[2]
+            grow = max(0, width - n)
+            if not b:
+                self.keys, self.values = keys[:0, :, :0], values[:0, :, :0]
+                self._reserve(max(row_room, k), grow + _SPARE_LEAD, _SPARE_POSITIONS)
+            elif not (self._is_view() and b + k <= self._buffer[0].shape[0] and grow <= self._start):
+                self._reserve(max(row_room, b + k), grow + _SPARE_LEAD, _SPARE_POSITIONS)
+            self._start -= grow
+            end = self._start + max(n, width)
+            for room, t in zip(self._buffer, (keys, values)):
+                room[:b, :, self._start : self._start + grow] = 0  # new padding columns of the batch's rows
+                room[b : b + k, :, self._start : end - width] = 0  # and of the joining rows
+                room[b : b + k, :, end - width : end] = t
+            self._set_view(b + k, max(n, width))
+
+        def move_rows(self, moves: list[tuple[int, int]], rows: int, lead: int) -> None:
+            """Copy row ``src`` onto row ``dst`` for each move, keep the first ``rows`` rows, and drop
+            ``lead`` columns on the left (padding in every kept row)."""
+            n = self.keys.shape[2]
+            if not self._is_view():
+                self._reserve(self.keys.shape[0], 0, _SPARE_POSITIONS)
+            end = self._start + n
+            if moves:
+                src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.keys.device)
+                dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.keys.device)
+                for room in self._buffer:
+                    room[:, :, self._start : end].index_copy_(0, dst, room[:, :, self._start : end].index_select(0, src))
+            self._start += lead
+            self._set_view(rows, n - lead)
+
     return GrowingLayer
-
-
-def _views_start(view: torch.Tensor, buffer: torch.Tensor) -> bool:
-    """Whether ``view`` is ``buffer[:, :, :k]`` for some k."""
-    return (view.data_ptr() == buffer.data_ptr() and view.shape[:2] == buffer.shape[:2]
-            and view.shape[3:] == buffer.shape[3:] and view.stride() == buffer.stride())
 
 
 def new_kv_cache(config):
@@ -560,15 +621,16 @@ class _SessionScheduler:
                     total -= len(dropped.tokens)
 
     def _join(self, requests: list[_SessionRequest], cache, mask: torch.Tensor) -> None:
-        """Append rows (``cache`` and ``mask`` left-padded like the batch) to the running batch."""
+        """Append rows (``cache`` and ``mask`` left-padded among themselves) to the running batch;
+        only the joining rows are copied (``GrowingLayer.append_rows``)."""
         if not self._rows:
-            self._rows, self._batch, self._attention = list(requests), cache, mask
-            return
+            self._batch, self._attention = new_kv_cache(self.engine.model.config), mask.new_zeros((0, 0))
         old, new = self._attention.shape[1], mask.shape[1]
         width = max(old, new)
+        rows = len(self._rows) + len(requests)
+        room = min(self.max_running, max(rows + rows // 4, 8))  # spare rows for sessions coming back
         for layer, added in zip(self._batch.layers, cache.layers):
-            layer.keys = torch.cat([_pad_left(layer.keys, width - old, 2), _pad_left(added.keys, width - new, 2)], dim=0)
-            layer.values = torch.cat([_pad_left(layer.values, width - old, 2), _pad_left(added.values, width - new, 2)], dim=0)
+            layer.append_rows(added.keys, added.values, room)
         self._attention = torch.cat([_pad_left(self._attention, width - old, 1), _pad_left(mask, width - new, 1)], dim=0)
         self._rows.extend(requests)
 
@@ -604,12 +666,26 @@ class _SessionScheduler:
                       for layer in self._batch.layers]
             self._finish(request, kv)
         gone = set(rows)
-        keep = [row for row in range(len(self._rows)) if row not in gone]
-        self._rows = [self._rows[row] for row in keep]
-        if not keep:
-            self._batch, self._attention = None, None
+        kept = len(self._rows) - len(gone)
+        if not kept:
+            self._rows, self._batch, self._attention = [], None, None
             return
-        self._attention = _select_rows(self._batch, self._attention, keep)
+        # fill the holes below ``kept`` with the surviving rows above it: only those rows are copied
+        holes = sorted(row for row in gone if row < kept)
+        movers = [row for row in range(kept, len(self._rows)) if row not in gone]
+        moves = list(zip(movers, holes))
+        for src, dst in moves:
+            self._rows[dst] = self._rows[src]
+        del self._rows[kept:]
+        mask = self._attention
+        if moves:
+            mask = mask.clone()
+            mask[[dst for _, dst in moves]] = mask[[src for src, _ in moves]]
+        mask = mask[:kept]
+        lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())  # columns that are padding in every kept row
+        for layer in self._batch.layers:
+            layer.move_rows(moves, kept, lead)
+        self._attention = mask[:, lead:]
 
     def _sample(self, requests: list[_SessionRequest], logits: torch.Tensor) -> list[bool]:
         """Sample one id per request from its row of ``logits``, record it, and say which finished."""
