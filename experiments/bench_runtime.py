@@ -1,6 +1,6 @@
 """Runtime benchmarks (JSON): the rollout loops against plain generate, Ray retrieval vs in-process.
 
-    python -m experiments.bench_runtime --json [--threads 1] [--repeats 1] [--skip-retrieval]
+    python -m experiments.bench_runtime --json [--threads 1] [--repeats 3] [--skip-retrieval]
 
 1. One demo-sized RL step's rollout (``experiments/configs/demo_grpo.yaml``: 4 questions x G = 4,
    RouteRAG dialect, top-2, retrieval budget 2, 160 response tokens, 64 per turn, 64 per
@@ -213,7 +213,9 @@ def main(argv=None) -> int:
     p.add_argument("--questions", type=int, default=4, help="questions per step (the demo's prompts_per_step)")
     p.add_argument("--group-size", type=int, default=4, help="episodes per question (the demo's G)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
-    p.add_argument("--repeats", type=int, default=1, help="runs of each loop, alternating")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each loop (alternating) and of plain generate, seeds 1..R, pooled: one run's "
+                        "episodes vary enough in length to move the ratio by 0.1 (about 4 min a repeat here)")
     p.add_argument("--skip-rollout", action="store_true")
     p.add_argument("--skip-retrieval", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
