@@ -51,9 +51,16 @@ def test_doc_example_runs(index, title, small_world, small_world_retriever, clea
 
 
 @pytest.mark.integration  # a full train() step (~1 min on 2 cores): `make test-integration`
-def test_doc_training_example_runs_one_real_step(small_world, small_world_retriever, clean_registries):
+def test_doc_training_example_runs_one_real_step(small_world, small_world_retriever, clean_registries, tmp_path,
+                                                 monkeypatch):
     """Section 5: train() with the custom reward, environment and engine of sections 2-4."""
+    import tempfile
+
     import torch
+
+    # The example's tempfile.mkdtemp() would leave its run (checkpoints included, ~2 GB) in /tmp
+    # after every test run; under tmp_path pytest's retention removes it.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     torch.set_num_threads(2)
     _, examples = _blocks()
