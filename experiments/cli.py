@@ -28,35 +28,34 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_demo(sub):
-    p = sub.add_parser("demo", help="the main job on the embedded default: world -> index -> eval -> SFT -> GRPO -> eval -> report",
-                       description="Generate a synthetic world, build its index and graph, evaluate SmolLM2-135M, "
-                                   "SFT it on golden trajectories, run two-stage RouteRAG GRPO on local Ray, evaluate "
-                                   "again on held-out questions and write report.md/report.json/plots under --out.")
+    p = sub.add_parser("demo", help="the learning proof on the embedded default: routing task -> SFT -> RouteRAG GRPO stage 1 and 2 -> report",
+                       description="Generate the routing task (questions that need graph retrieval and questions a passage "
+                                   "search answers), build its index and graph, SFT SmolLM2-135M on golden episodes with "
+                                   "random search modes, run RouteRAG GRPO stage 1 (EM) and stage 2 (EM + efficiency) on "
+                                   "local Ray, evaluate after each stage on held-out questions and write "
+                                   "report.md/report.json (with rl_effect)/plots under --out.")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo; replaced unless --resume)")
-    p.add_argument("--resume", action="store_true", help="keep --out and reuse its index and checkpoints")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="keep --out and reuse its index")
+    p.add_argument("--seed", type=int, default=0, help="world, SFT and RL seed (default 0)")
     p.add_argument("--entities", type=int, default=300, help="synthetic world size (default 300)")
-    p.add_argument("--questions", type=int, default=240, help="questions generated (default 240)")
-    p.add_argument("--max-hops", type=int, default=1, help="longest bridge chain (default 1)")
-    p.add_argument("--heldout-fraction", type=float, default=0.25)
-    p.add_argument("--eval-questions", type=int, default=32, help="held-out questions evaluated (default 32)")
-    p.add_argument("--systems", nargs="+", default=["agent"], help="evaluated systems (default: agent)")
+    p.add_argument("--questions", type=int, default=400, help="questions generated (default 400)")
+    p.add_argument("--eval-questions", type=int, default=48, help="held-out questions evaluated at every stage (default 48)")
     p.add_argument("--policy", default="smollm2-135m", help="starting policy (model spec or HF dir)")
     p.add_argument("--sft-examples", type=int, default=48, help="golden episodes for SFT (default 48)")
-    p.add_argument("--sft-epochs", type=int, default=2)
+    p.add_argument("--sft-epochs", type=int, default=1)
     p.add_argument("--sft-lr", type=float, default=2e-4)
-    p.add_argument("--sft-batch", type=int, default=8)
-    p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (default: demo_grpo.yaml, 3)")
-    p.add_argument("--stage2-start", type=int, default=None, help="first RL step of stage 2 (EM + efficiency; default: demo_grpo.yaml, 2)")
-    p.add_argument("--prompts-per-step", type=int, default=None, help="default: demo_grpo.yaml, 4")
-    p.add_argument("--group-size", type=int, default=None, help="default: demo_grpo.yaml, 4")
-    p.add_argument("--rl-lr", type=float, default=None, help="default: demo_grpo.yaml, 1e-5")
-    p.add_argument("--turn-tokens", type=int, default=64, help="tokens per generated turn (default 64)")
-    p.add_argument("--eval-response-tokens", type=int, default=160)
-    p.add_argument("--world-only", action="store_true", help="only build the world and print its statistics")
+    p.add_argument("--sft-batch", type=int, default=4)
+    p.add_argument("--sft-modes", default="passage,passage,passage,graph",
+                   help="search modes the SFT episodes draw from, uniformly (default: passage three times in four)")
+    p.add_argument("--stage1-steps", type=int, default=6, help="GRPO steps of stage 1, reward EM (default 6)")
+    p.add_argument("--stage2-steps", type=int, default=2, help="GRPO steps of stage 2, EM + efficiency (default 2)")
+    p.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step (default 4)")
+    p.add_argument("--group-size", type=int, default=4, help="episodes per question, G (default 4)")
+    p.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml, 2e-5)")
+    p.add_argument("--world-only", action="store_true", help="only build a multi-hop world and print its statistics")
     p.add_argument("--world-out", default=None, help="with --world-only: also write the world's files here")
     p.add_argument("--json", action="store_true", help="print the summary (or world statistics) as one JSON object")
-    p.add_argument("overrides", nargs="*", help="extra key=value overrides of experiments/configs/demo_grpo.yaml")
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides of experiments/configs/routing_grpo.yaml")
     p.set_defaults(func=_run_demo)
 
 

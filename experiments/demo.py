@@ -1,15 +1,22 @@
-"""``make demo`` / ``raggym demo``: the main job on the embedded default, end to end on this CPU.
+"""``make demo`` / ``raggym demo``: the learning proof on the embedded default, end to end on this CPU.
 
-1. generate a seeded synthetic multi-hop world and split its questions into train / held-out;
-2. build the dense index and the knowledge graph (MiniLM + HippoRAG 2-style graph);
-3. evaluate the untrained policy (SmolLM2-135M) on the held-out questions;
-4. SFT cold start on golden trajectories of the training questions (driven through the real env);
-5. two-stage RouteRAG GRPO for a few steps on local Ray (stage 1: EM, stage 2: EM + efficiency);
-6. evaluate again after SFT and after GRPO on the same held-out questions;
-7. write ``report.md`` / ``report.json`` and PNG plots (reward, EM, retrieval turns, mode mix).
+1. generate the seeded **routing task** (``raggym.data.synthetic``, ``task="routing"``): ``direct``
+   questions that a passage search answers, and ``graph_only`` ones (a person's facts, stated only
+   in a biography that never names the person) that only graph retrieval reaches; build the dense
+   index and the knowledge graph and measure each mode's recall@k on the held-out questions;
+2. SFT of SmolLM2-135M on golden episodes whose search mode is drawn at random (passage three
+   times in four), so it learns the format but not when to use which mode;
+3. RouteRAG GRPO on local Ray: stage 1 (reward = EM), then stage 2 (EM + batch-centred efficiency
+   over the retriever's deterministic cost);
+4. after SFT, after stage 1 and after stage 2: greedy evaluation on the held-out questions, and
+   the policy's graph preference read from its logits at the mode slot of held-out questions
+   (``experiments.routing.graph_preference``);
+5. ``report.md`` / ``report.json`` — with ``rl_effect``: what RL changed on the graph-only
+   questions, and what stage 2 did to retrieval cost — and PNG plots.
 
-Every number in the report is measured in this run; nothing is filled in. ``--world-only``
-keeps the old behaviour (build the world, print its statistics) for a quick look.
+Every number in the report is measured in this run; nothing is filled in. The same pipeline over
+three seeds and more steps is ``python -m experiments.routing`` (docs/results.md).
+``--world-only`` builds a multi-hop world and prints its statistics.
 """
 
 from __future__ import annotations
@@ -19,9 +26,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-RL_CONFIG = REPO / "experiments" / "configs" / "demo_grpo.yaml"  # the GRPO step's settings
 
 
 def _say(msg: str, quiet: bool) -> None:
@@ -38,18 +42,11 @@ def run_demo(args) -> int:
 # ----------------------------------------------------------------------------- the pipeline
 
 
-def run_pipeline(args) -> dict | int:
+def run_pipeline(args) -> int:
     from actors.cluster import init_ray
-    from experiments.evaluate import evaluate
-    from raggym.data.splits import split_questions
-    from experiments.report import read_jsonl, write_report
-    from experiments.sft import golden_examples, run_sft
-    from experiments.train import load_config, train
-    from raggym.atomic import atomic_write_json
-    from raggym.data import write_corpus, write_questions
-    from raggym.data.synthetic import generate_world
-    from raggym.models import load_policy_tokenizer
-    from raggym.retrieval import Retriever, ensure_index
+    from experiments.report import write_report
+    from experiments.routing import EVAL_KWARGS, SeedSettings, build_task, plot, recall_by_mode, rl_effect, run_seed, summarise
+    from raggym.retrieval import Retriever
 
     quiet = bool(args.json)
     started = time.perf_counter()
@@ -57,101 +54,84 @@ def run_pipeline(args) -> dict | int:
     if out.exists() and not args.resume:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
 
-    def lap(name: str, t0: float) -> None:
-        timings[name] = round(time.perf_counter() - t0, 1)
-        _say(f"{name}: {timings[name]:.0f} s", quiet)
-
-    # 1. world ---------------------------------------------------------------------------
+    # 1. the routing task and its index --------------------------------------------------------
     t0 = time.perf_counter()
-    world = generate_world(args.seed, n_entities=args.entities, n_questions=args.questions, max_hops=args.max_hops)
-    train_q, heldout_q = split_questions(world.questions, args.heldout_fraction, args.seed)
-    heldout_q = heldout_q[: args.eval_questions]
-    wdir = out / "world"
-    wdir.mkdir(parents=True, exist_ok=True)
-    write_corpus(wdir / "corpus.jsonl", world.corpus)
-    atomic_write_json(wdir / "openie.json", world.openie, indent=None)
-    write_questions(wdir / "train_questions.jsonl", train_q)
-    write_questions(wdir / "heldout_questions.jsonl", heldout_q)
-    _say(f"world: {len(world.corpus)} passages, {len(train_q)} training and {len(heldout_q)} held-out questions", quiet)
-    lap("world", t0)
+    task = build_task(out, seed=args.seed, entities=args.entities, questions=args.questions, heldout=args.eval_questions,
+                      show_progress=not quiet)
+    recall = recall_by_mode(Retriever.load(task.index_dir), task.heldout, EVAL_KWARGS["top_k"])
+    timings = {"task_and_index": round(time.perf_counter() - t0, 1)}
+    _say(f"routing task: {len(task.train)} training, {len(task.heldout)} held-out questions; recall@{EVAL_KWARGS['top_k']} "
+         + "; ".join(f"{kind}: passage {r['passage_recall']:.2f}, graph {r['graph_recall']:.2f}" for kind, r in recall.items()), quiet)
 
-    # 2. index ---------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    index_dir = ensure_index(out / "index", world.corpus, openie=world.openie, shards=2, show_progress=not quiet)
-    retriever = Retriever.load(index_dir)
-    lap("index", t0)
-
+    # 2.-4. SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval ----------------------
     init_ray(num_cpus=8)  # stays up for the evaluations and training below; ends with the process
-    heldout = [{"name": "synthetic-heldout", "source": "files", "corpus": str(wdir / "corpus.jsonl"),
-                "questions": str(wdir / "heldout_questions.jsonl"), "openie": str(wdir / "openie.json"),
-                "index_dir": str(index_dir)}]
-    eval_kwargs = dict(dialect="routerag", max_response_tokens=args.eval_response_tokens, max_turn_tokens=args.turn_tokens,
-                       top_k=2, retrieval_budget=2, workers=2, temperature=0.0, seed=args.seed, show_progress=not quiet,
-                       max_observation_tokens=64)
-    systems = list(args.systems)
-    evaluations: list[tuple[str, dict]] = []
+    settings = SeedSettings(sft_examples=args.sft_examples, sft_epochs=args.sft_epochs, sft_lr=args.sft_lr,
+                            sft_batch=args.sft_batch, sft_modes=args.sft_modes, stage1_steps=args.stage1_steps,
+                            stage2_steps=args.stage2_steps, prompts_per_step=args.prompts_per_step,
+                            group_size=args.group_size, lr=args.rl_lr, eval_samples=0, policy=args.policy,
+                            overrides=tuple(args.overrides))
+    run = run_seed(task, args.seed, out, settings, {**EVAL_KWARGS, "show_progress": not quiet}, show_progress=not quiet)
+    timings.update(run["seconds"])
 
-    # 3. evaluate the untrained policy -------------------------------------------------------
-    t0 = time.perf_counter()
-    evaluations.append(("untrained", evaluate(args.policy, heldout, systems, out / "eval" / "untrained", **eval_kwargs)))
-    lap("eval_untrained", t0)
-
-    # 4. SFT cold start ----------------------------------------------------------------------
-    t0 = time.perf_counter()
-    tokenizer = load_policy_tokenizer(args.policy)
-    examples = golden_examples(train_q[: args.sft_examples], retriever, "routerag", tokenizer, corpus=world.corpus,
-                               top_k=2, max_observation_tokens=64, show_progress=not quiet)
-    sft = run_sft(args.policy, examples, out / "sft", epochs=args.sft_epochs, lr=args.sft_lr, batch_size=args.sft_batch,
-                  seed=args.seed, show_progress=not quiet)
-    lap("sft", t0)
-    t0 = time.perf_counter()
-    evaluations.append(("after SFT", evaluate(sft["policy_dir"], heldout, systems, out / "eval" / "sft", **eval_kwargs)))
-    lap("eval_sft", t0)
-
-    # 5. two-stage RouteRAG GRPO -------------------------------------------------------------
-    t0 = time.perf_counter()
-    run_dir = out / "grpo"
-    overrides = [f"run.out_dir={run_dir}", f"run.seed={args.seed}", f"policy.model={sft['policy_dir']}",
-                 f"data.corpus={wdir / 'corpus.jsonl'}", f"data.questions={wdir / 'train_questions.jsonl'}",
-                 f"data.openie={wdir / 'openie.json'}", f"data.index_dir={index_dir}",
-                 f"rollout.max_response_tokens={args.eval_response_tokens}", f"rollout.max_turn_tokens={args.turn_tokens}"]
-    given = {"run.steps": args.rl_steps, "reward.stage2_start": args.stage2_start, "learner.optimizer.lr": args.rl_lr,
-             "rollout.prompts_per_step": args.prompts_per_step, "rollout.group_size": args.group_size}
-    overrides += [f"{key}={value}" for key, value in given.items() if value is not None]
-    if args.prompts_per_step is not None or args.group_size is not None:  # keep one optimizer step per RL step
-        base = load_config(str(RL_CONFIG), overrides).rollout
-        overrides.append(f"learner.mini_batch_size={base.prompts_per_step * base.group_size}")
-    overrides += list(args.overrides)
-    cfg = load_config(str(RL_CONFIG), overrides)
-    train(cfg)
-    lap("grpo", t0)
-    t0 = time.perf_counter()
-    evaluations.append(("after SFT+GRPO", evaluate(str(run_dir), heldout, systems, out / "eval" / "grpo", **eval_kwargs)))
-    lap("eval_grpo", t0)
-
-    # 6. report --------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    # 5. report ----------------------------------------------------------------------------------
+    table = summarise([run])
+    effect = rl_effect(table, 1)
     timings["total"] = round(time.perf_counter() - started, 1)
-    meta = {"title": "raggym demo: SmolLM2-135M learns RouteRAG search on a synthetic world (CPU)",
-            "policy": args.policy, "world": f"seed {args.seed}, {args.entities} entities, max {args.max_hops} hops",
-            "passages": len(world.corpus), "train questions": len(train_q), "held-out questions": len(heldout_q),
-            "SFT": f"{sft['examples']} golden episodes, {sft['steps']} steps, loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f}",
-            "GRPO": f"{cfg.run.steps} steps (stage 2 from step {cfg.reward.stage2_start}), "
-                    f"{cfg.rollout.prompts_per_step} prompts x G={cfg.rollout.group_size}",
+    meta = {"title": "raggym demo: RL teaches SmolLM2-135M when to search the graph (routing task, CPU)",
+            "policy": args.policy, "task": f"routing, seed {args.seed}, {args.entities} entities",
+            "train questions": len(task.train), "held-out questions": len(task.heldout),
+            "SFT": f"{run['sft']['examples']} golden episodes, search modes drawn from {settings.sft_modes}, "
+                   f"{run['sft']['steps']} steps, loss {run['sft']['loss_first']:.3f} -> {run['sft']['loss_last']:.3f}",
+            "GRPO": f"stage 1 (EM) {settings.stage1_steps} steps, stage 2 (EM + efficiency, deterministic cost) "
+                    f"{settings.stage2_steps} steps, {settings.prompts_per_step} prompts x G={settings.group_size}",
             "seconds": timings}
-    report = write_report(out, evaluations=evaluations, train_metrics=metrics, trajectory_dir=run_dir / "trajectories", meta=meta)
-    lap("report", t0)
+    images = plot(out, [run], settings.stage1_steps)
+    report = write_report(out, evaluations=list(run["results"].items()), train_metrics=run["train_metrics"],
+                          trajectory_dir=out / "grpo" / "trajectories", meta=meta,
+                          extra={"rl_effect": effect, "by_question_type": table, "recall_by_mode": recall,
+                                 "routing_curves": run["curves"]},
+                          sections=[_effect_markdown(effect, table, recall, images)])
     summary = _summary(report)
     if args.json:
-        print(json.dumps({"out_dir": str(out), "summary": summary, "seconds": timings}))
+        print(json.dumps({"out_dir": str(out), "summary": summary, "rl_effect": effect, "seconds": timings}))
     else:
         for line in summary["lines"]:
             print(line)
+        for e in effect:
+            print(f"[demo] RL effect, {e['question_type']} questions, {e['metric']} ({e['decoding']}): {_change(e)}")
         print(f"[demo] report: {out / 'report.md'} (JSON: {out / 'report.json'}, plots: {out / 'plots'})")
     return 0
+
+
+def _change(entry: dict) -> str:
+    """``after SFT x -> after stage 1 y`` (and ``-> after stage 2 z`` for stage 2's entries)."""
+    text = f"after SFT {entry['after_sft']:.3f}"
+    if "after_stage1" in entry and entry["rl_stage"] == "stage 2":
+        text += f" -> after stage 1 {entry['after_stage1']:.3f}"
+    return text + f" -> after {entry['rl_stage']} {entry['after_rl']:.3f}"
+
+
+def _effect_markdown(effect: list[dict], table: dict, recall: dict, images: dict) -> str:
+    """The routing section of report.md: recall by mode, the per-type table and ``rl_effect``."""
+    lines = ["## What RL changed", "", "`graph_only` questions need graph retrieval; `direct` ones are answered by a "
+             "passage search as well, at a fraction of the cost. Retrieval on the held-out questions (golden sub-query):", "",
+             "| type | questions | passage recall | graph recall | passage cost / search | graph cost / search |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {kind} | {r['questions']} | {r['passage_recall']:.3f} | {r['graph_recall']:.3f} | {r['passage_cost']:.0f} | "
+              f"{r['graph_cost']:.0f} |" for kind, r in recall.items()]
+    lines += ["", "| stage | type | EM (greedy) | graph share of searches (greedy) | p(graph) at the mode slot | "
+              "searches / question | retrieval cost / question |", "|---|---|---|---|---|---|---|"]
+    for stage, kinds in table.items():
+        for kind, m in kinds.items():
+            share, preference = m["graph_share"]["mean"], m.get("graph_preference", {}).get("mean")
+            lines.append(f"| {stage} | {kind} | {m['em']['mean']:.3f} | {'–' if share is None else f'{share:.3f}'} | "
+                         f"{'–' if preference is None else f'{preference:.3f}'} | {m['searches_per_question']['mean']:.2f} | "
+                         f"{m['cost_per_question']['mean']:.0f} |")
+    lines += ["", "`rl_effect` (also in report.json):", ""]
+    lines += [f"- {e['question_type']} {e['metric']} ({e['decoding']}): {_change(e)}" for e in effect]
+    lines += ["", *(f"![{name}]({path})" for name, path in images.items())]
+    return "\n".join(lines)
 
 
 def _summary(report: dict) -> dict:

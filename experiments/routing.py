@@ -186,6 +186,34 @@ def graph_preference(model, tokenizer, examples: list[dict]) -> list[float]:
     return preferences
 
 
+def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_type: int = 16) -> dict[str, list[dict]]:
+    """Golden prefixes of the first ``per_type`` held-out questions of each type, for
+    ``graph_preference`` (the mode written in a probe's own search comes after the slot and is
+    never scored, so the cheap one is used)."""
+    from experiments.sft import golden_examples
+
+    probes = {}
+    for kind in sorted({task.kinds[q.id] for q in task.heldout}):
+        questions = [q for q in task.heldout if task.kinds[q.id] == kind][:per_type]
+        probes[kind] = golden_examples(questions, retriever, "routerag", tokenizer, corpus=task.corpus,
+                                       top_k=eval_kwargs["top_k"], max_observation_tokens=eval_kwargs["max_observation_tokens"],
+                                       modes="passage", show_progress=False)
+    return probes
+
+
+def preference_by_type(policy: str, tokenizer, probes: dict[str, list[dict]]) -> dict[str, float]:
+    """Mean ``graph_preference`` of ``policy`` (model spec, HF dir, checkpoint or run dir) per
+    question type, and over all probes (``"all"``)."""
+    from experiments.evaluate import resolve_policy
+    from raggym.models import load_policy
+
+    model = load_policy(resolve_policy(policy))[0]
+    values = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
+    out = {kind: statistics.fmean(v) for kind, v in values.items()}
+    out["all"] = statistics.fmean(x for v in values.values() for x in v)
+    return out
+
+
 def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
     """Per training step: mean reward and the graph share of each question type's searches."""
     from experiments.report import read_jsonl
@@ -261,10 +289,16 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
                   seed=seed, show_progress=show_progress)
     timings["sft"] = round(time.perf_counter() - t0, 1)
     evals, sampled, results = {}, {}, {}
+    tokenizer = load_policy_tokenizer(policy)
+    probes = mode_probes(task, retriever, tokenizer, eval_kwargs)
 
     def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
         t = time.perf_counter()
         evals[stage], results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder, {**eval_kwargs, "seed": seed})
+        # The logit-read mode choice beside the greedy evaluation: it moves with every update,
+        # where greedy decoding shows a preference only once it crosses one half.
+        for kind, value in preference_by_type(policy_dir, tokenizer, probes).items():
+            evals[stage][kind]["graph_preference"] = value
         if s.eval_samples > 0:
             sampled[stage], _ = evaluate_policy(policy_dir, task, out / "eval" / f"{folder}_sampled",
                                                 {**eval_kwargs, "seed": seed, "temperature": s.eval_temperature},
@@ -307,6 +341,9 @@ def _spread(values: list[float]) -> dict:
             "std": statistics.pstdev(values) if len(values) > 1 else 0.0}
 
 
+METRICS = ("em", "graph_share", "graph_preference", "cost_per_question", "searches_per_question")
+
+
 def summarise(seed_runs: list[dict], key: str = "evaluations") -> dict:
     """Mean and spread over seeds of every (stage, type, metric) of the ``key`` evaluations
     (``"evaluations"``: greedy; ``"sampled_evaluations"``); {} when the runs have none."""
@@ -315,8 +352,10 @@ def summarise(seed_runs: list[dict], key: str = "evaluations") -> dict:
         return table
     for stage in STAGES:
         for kind in seed_runs[0][key][stage]:
-            for metric in ("em", "graph_share", "cost_per_question", "searches_per_question"):
-                values = [r[key][stage][kind][metric] for r in seed_runs]
+            for metric in METRICS:
+                if metric not in seed_runs[0][key][stage][kind]:  # graph_preference: greedy table only
+                    continue
+                values = [r[key][stage][kind].get(metric) for r in seed_runs]
                 table.setdefault(stage, {}).setdefault(kind, {})[metric] = {**_spread(values), "per_seed": values}
     return table
 
@@ -334,11 +373,21 @@ def rl_effect(table: dict, seeds: int, decoding: str = "greedy") -> list[dict]:
          "after_rl": mean("after stage 1", "graph_only", "em"), "rl_stage": "stage 1", "seeds": seeds},
         {"question_type": "graph_only", "metric": "graph_share", "after_sft": mean("after SFT", "graph_only", "graph_share"),
          "after_rl": mean("after stage 1", "graph_only", "graph_share"), "rl_stage": "stage 1", "seeds": seeds},
+    ]
+    if "graph_preference" in table["after SFT"]["graph_only"]:
+        # stage 1 should raise p(graph) where only the graph answers; stage 2 should lower it where
+        # a passage search answers as well at a fraction of the cost
+        entries += [{"question_type": kind, "metric": "graph_preference", "after_sft": mean("after SFT", kind, "graph_preference"),
+                     "after_stage1": mean("after stage 1", kind, "graph_preference"),
+                     "after_rl": mean(f"after {stage}", kind, "graph_preference"), "rl_stage": stage, "seeds": seeds,
+                     "decoding": "logits at the mode slot"}
+                    for kind, stage in (("graph_only", "stage 1"), ("direct", "stage 2"))]
+    entries += [
         {"question_type": "all", "metric": "cost_per_question", "after_sft": mean("after SFT", "all", "cost_per_question"),
          "after_stage1": mean("after stage 1", "all", "cost_per_question"),
          "after_rl": mean("after stage 2", "all", "cost_per_question"), "rl_stage": "stage 2", "seeds": seeds},
     ]
-    return [{**e, "decoding": decoding} for e in entries]
+    return [{"decoding": decoding, **e} for e in entries]
 
 
 def plot(out: Path, seed_runs: list[dict], stage1_steps: int) -> dict[str, str]:
@@ -390,10 +439,12 @@ def markdown(report: dict) -> str:
         if not report.get(key):
             continue
         lines += ["", f"## Held-out results, {title} (mean over seeds, [min, max])", "",
-                  "| stage | type | EM | graph share | searches / q | cost / q |", "|---|---|---|---|---|---|"]
+                  "| stage | type | EM | graph share | p(graph) at the mode slot | searches / q | cost / q |",
+                  "|---|---|---|---|---|---|---|"]
         for stage, kinds in report[key].items():
             for kind, m in kinds.items():
-                lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | "
+                preference = cell(m["graph_preference"]) if "graph_preference" in m else "–"
+                lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | {preference} | "
                              f"{m['searches_per_question']['mean']:.2f} | {m['cost_per_question']['mean']:.0f} |")
     lines += ["", "## RL effect", ""]
     for e in report["rl_effect"]:

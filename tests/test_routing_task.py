@@ -172,6 +172,32 @@ def test_summary_effect_and_targets_by_hand():
     assert not any(t["met"] for t in worse)
 
 
+def test_graph_preference_effect_entries_by_hand():
+    """With the logit-read preference in the greedy table, rl_effect reports stage 1's change on
+    graph_only and stage 2's on direct, tagged as read from logits; without it, neither entry."""
+    def stage(pref_graph_only, pref_direct, cost):
+        return {kind: {"em": 0.5, "graph_share": 0.5, "graph_preference": pref, "cost_per_question": cost,
+                       "searches_per_question": 1.0}
+                for kind, pref in (("graph_only", pref_graph_only), ("direct", pref_direct), ("all", 0.0))}
+
+    runs = [{"seed": s, "evaluations": {"after SFT": stage(0.7, 0.6, 10.0), "after stage 1": stage(0.9 + s / 20, 0.8, 100.0),
+                                        "after stage 2": stage(0.95, 0.4 - s / 10, 50.0)}} for s in (0, 1)]
+    table = summarise(runs)
+    assert table["after stage 1"]["graph_only"]["graph_preference"]["per_seed"] == pytest.approx([0.9, 0.95])
+    effect = {(e["question_type"], e["metric"]): e for e in rl_effect(table, 2)}
+    up = effect[("graph_only", "graph_preference")]
+    assert (up["after_sft"], up["after_rl"], up["rl_stage"]) == (0.7, pytest.approx(0.925), "stage 1")
+    down = effect[("direct", "graph_preference")]
+    assert (down["after_stage1"], down["after_rl"], down["rl_stage"]) == (0.8, pytest.approx(0.35), "stage 2")
+    assert up["decoding"] == down["decoding"] == "logits at the mode slot"
+    assert effect[("all", "cost_per_question")]["decoding"] == "greedy"
+    # sampled tables carry no preference: no such entries
+    sampled = summarise([{**r, "sampled_evaluations": {st: {k: {m: v for m, v in kinds[k].items() if m != "graph_preference"}
+                                                              for k in kinds} for st, kinds in r["evaluations"].items()}}
+                         for r in runs], "sampled_evaluations")
+    assert not any(e["metric"] == "graph_preference" for e in rl_effect(sampled, 2, "sampled"))
+
+
 def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
     from experiments.routing import SeedSettings, _seed_settings_key, build_parser, finished_seed
 
