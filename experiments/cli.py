@@ -47,8 +47,8 @@ def _add_demo(sub):
     p.add_argument("--sft-batch", type=int, default=4)
     p.add_argument("--sft-modes", default="passage,passage,passage,graph",
                    help="search modes the SFT episodes draw from, uniformly (default: passage three times in four)")
-    p.add_argument("--stage1-steps", type=int, default=6, help="GRPO steps of stage 1, reward EM (default 6)")
-    p.add_argument("--stage2-steps", type=int, default=2, help="GRPO steps of stage 2, EM + efficiency (default 2)")
+    p.add_argument("--stage1-steps", type=int, default=5, help="GRPO steps of stage 1, reward EM (default 5)")
+    p.add_argument("--stage2-steps", type=int, default=1, help="GRPO steps of stage 2, EM + efficiency (default 1)")
     p.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step (default 4)")
     p.add_argument("--group-size", type=int, default=4, help="episodes per question, G (default 4)")
     p.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml, 2e-5)")
