@@ -281,7 +281,8 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     t0 = time.perf_counter()
     policy = s.policy
     retriever = Retriever.load(task.index_dir)
-    examples = golden_examples(task.train[: s.sft_examples], retriever, "routerag", load_policy_tokenizer(policy),
+    tokenizer = load_policy_tokenizer(policy)
+    examples = golden_examples(task.train[: s.sft_examples], retriever, "routerag", tokenizer,
                                corpus=task.corpus, top_k=eval_kwargs["top_k"],
                                max_observation_tokens=eval_kwargs["max_observation_tokens"],
                                modes=sft_modes(s.sft_modes), mode_seed=seed, show_progress=show_progress)
@@ -289,7 +290,6 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
                   seed=seed, show_progress=show_progress)
     timings["sft"] = round(time.perf_counter() - t0, 1)
     evals, sampled, results = {}, {}, {}
-    tokenizer = load_policy_tokenizer(policy)
     probes = mode_probes(task, retriever, tokenizer, eval_kwargs)
 
     def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
