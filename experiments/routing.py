@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from experiments.sft import LR_SCHEDULES, balanced_order, grouped_order
+
 REPO = Path(__file__).resolve().parents[1]
 RL_CONFIG = REPO / "experiments" / "configs" / "routing_grpo.yaml"
 GRAPH_MODES = ("graph", "hybrid")  # searches that use graph retrieval
@@ -255,6 +257,14 @@ class SeedSettings:
     # the modes SFT's golden searches draw from, uniformly: repeat a mode to weight it
     # ("passage,passage,passage,graph" draws graph for a quarter of the searches)
     sft_modes: str = "passage,graph"
+    # "linear" decays SFT's lr to 0 and "mode-balanced" spreads graph searches evenly over the
+    # batches, so the mode prior SFT leaves follows the data's share, not its last batches
+    sft_lr_schedule: str = "constant"
+    sft_order: str = "shuffled"
+    # "draw": one example per question, each search's mode drawn from sft_modes; "every": one
+    # example per question and listed mode (rotated over its searches), so the data hold the
+    # modes' shares exactly for every question rather than in expectation
+    sft_mode_sampling: str = "draw"
     stage1_steps: int = 12
     stage2_steps: int = 8
     prompts_per_step: int = 8
@@ -282,11 +292,16 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     policy = s.policy
     retriever = Retriever.load(task.index_dir)
     tokenizer = load_policy_tokenizer(policy)
-    examples = golden_examples(task.train[: s.sft_examples], retriever, "routerag", tokenizer,
-                               corpus=task.corpus, top_k=eval_kwargs["top_k"],
-                               max_observation_tokens=eval_kwargs["max_observation_tokens"],
-                               modes=sft_modes(s.sft_modes), mode_seed=seed, show_progress=show_progress)
+    modes = sft_modes(s.sft_modes)
+    rotations = [None] if s.sft_mode_sampling == "draw" else range(len(modes))
+    examples = [ex for rotation in rotations
+                for ex in golden_examples(task.train[: s.sft_examples], retriever, "routerag", tokenizer,
+                                          corpus=task.corpus, top_k=eval_kwargs["top_k"],
+                                          max_observation_tokens=eval_kwargs["max_observation_tokens"],
+                                          modes=modes, mode_seed=seed, mode_rotation=rotation,
+                                          show_progress=show_progress)]
     sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
+                  lr_schedule=s.sft_lr_schedule, epoch_order=SFT_ORDERS[s.sft_order],
                   seed=seed, show_progress=show_progress)
     timings["sft"] = round(time.perf_counter() - t0, 1)
     evals, sampled, results = {}, {}, {}
@@ -491,6 +506,23 @@ def sft_modes(spec: str) -> tuple[str, ...]:
     return modes
 
 
+def graph_searches(example: dict) -> int:
+    """How many of a golden example's searches use the graph (``sft_order="mode-balanced"``'s label)."""
+    return sum(mode == "graph" for mode in example.get("modes") or ())
+
+
+# how SFT orders its examples in each epoch (``run_sft``'s epoch_order; None: a plain shuffle).
+# "mode-balanced" spreads graph searches evenly over the batches; "per-question" keeps a question's
+# examples in one batch (with sft_mode_sampling="every" and a batch of len(sft_modes) examples, each
+# batch then holds one question under every listed mode)
+SFT_ORDERS = {
+    "shuffled": None,
+    "mode-balanced": lambda examples, rng: balanced_order([graph_searches(ex) for ex in examples], rng),
+    "per-question": lambda examples, rng: grouped_order([ex["question_id"] for ex in examples], rng),
+}
+SFT_MODE_SAMPLING = ("draw", "every")
+
+
 def _seed_settings_key(settings: SeedSettings, args) -> dict:
     """What a seed's result depends on besides the seed: its settings and the task's."""
     return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
@@ -520,7 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in vars(SeedSettings()).items():
         if name in ("overrides", "lr", "policy"):
             continue
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+        choices = {"sft_lr_schedule": LR_SCHEDULES, "sft_order": tuple(SFT_ORDERS),
+                   "sft_mode_sampling": SFT_MODE_SAMPLING}.get(name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, choices=choices)
     p.add_argument("--lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of routing_grpo.yaml")
     return p
@@ -547,6 +581,8 @@ def run(args) -> dict:
     settings = SeedSettings(**{k: getattr(args, k) for k in vars(SeedSettings()) if k not in ("overrides", "policy")},
                             overrides=tuple(args.overrides))
     sft_modes(settings.sft_modes)  # a bad spec fails here, not after the first seed's task is built
+    if settings.sft_order not in SFT_ORDERS or settings.sft_mode_sampling not in SFT_MODE_SAMPLING:
+        raise ValueError(f"sft_order must be one of {tuple(SFT_ORDERS)} and sft_mode_sampling one of {SFT_MODE_SAMPLING}")
     runs = []
     for seed in args.seeds:
         done = finished_seed(out / f"seed{seed}", settings, args)

@@ -101,11 +101,14 @@ def _answer_reasoning(question, steps: Sequence[dict]) -> str:
     return f"I know this: {answer}."
 
 
-def with_search_modes(questions, modes: str | Sequence[str] = "golden", seed: int = 0) -> list:
+def with_search_modes(questions, modes: str | Sequence[str] = "golden", seed: int = 0,
+                      rotation: int | None = None) -> list:
     """Questions whose golden steps use the retrieval ``modes`` asked for (see ``golden_examples``).
 
     A random draw depends only on (seed, question id, step), so a question's modes do not change
-    with the order or the company it is given in."""
+    with the order or the company it is given in. With ``rotation`` r, step i takes
+    ``modes[(r + i) % len(modes)]`` instead of a draw: the ``len(modes)`` rotations of a question
+    give every step each listed mode once."""
     import dataclasses
 
     if modes == "golden":
@@ -117,8 +120,11 @@ def with_search_modes(questions, modes: str | Sequence[str] = "golden", seed: in
     for q in questions:
         steps = []
         for i, step in enumerate(q.golden_trajectory):
-            rng = random.Random(f"{seed}/{q.id}/{i}")
-            steps.append({**step, "mode": rng.choice(choices)})
+            if rotation is None:
+                mode = random.Random(f"{seed}/{q.id}/{i}").choice(choices)
+            else:
+                mode = choices[(int(rotation) + i) % len(choices)]
+            steps.append({**step, "mode": mode})
         out.append(dataclasses.replace(q, golden_trajectory=tuple(steps)))
     return out
 
@@ -205,19 +211,21 @@ def _play_batch(envs, questions, builders, script) -> list[float]:
 
 def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=None, top_k: int = 3,
                     max_observation_tokens: int = 128, env_kwargs: dict | None = None,
-                    modes: str | Sequence[str] = "golden", mode_seed: int = 0,
+                    modes: str | Sequence[str] = "golden", mode_seed: int = 0, mode_rotation: int | None = None,
                     show_progress=True) -> list[dict]:
     """One supervised example per question, played through the real environment.
 
     Each example is ``{"token_ids", "loss_mask", "question_id", "text", "reward", "num_searches",
-    "gold_hit"}``: ``loss_mask`` is 1 exactly on the model-segment tokens, ``text`` is the decoded
+    "gold_hit", "modes"}``: ``loss_mask`` is 1 exactly on the model-segment tokens, ``text`` is the decoded
     sequence, ``reward`` the environment's terminal reward (exact match by default, so 1.0), and
-    ``gold_hit`` whether retrieval surfaced at least one gold passage.
+    ``gold_hit`` whether retrieval surfaced at least one gold passage, ``modes`` each golden step's
+    retrieval mode (None where the dialect names none).
 
     ``modes`` picks each search's retrieval mode: ``"golden"`` keeps the trajectory's own,
     a mode name (``"passage"``) fixes it, and a sequence of modes (``("passage", "graph")``) draws
     one uniformly per search, seeded by ``mode_seed`` and the question id. The last two teach the
-    format and leave *when* to use which mode to RL (``with_search_modes``).
+    format and leave *when* to use which mode to RL (``with_search_modes``); ``mode_rotation``
+    replaces the draw by a fixed rotation of ``modes``.
 
     ``max_observation_tokens`` caps each observation as the rollout does
     (``RolloutConfig.max_observation_tokens``); use the same value in both. R1-Router's
@@ -237,7 +245,7 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
         raise ValueError("golden_examples: no questions given")
     titles_from = corpus if corpus is not None else getattr(retriever, "corpus", None)
     questions = with_golden_trajectories(questions, titles_from, need_answers=dialect == "r1_router")
-    questions = with_search_modes(questions, modes, mode_seed)
+    questions = with_search_modes(questions, modes, mode_seed, mode_rotation)
     for q in questions:
         for i, step in enumerate(q.golden_trajectory):
             if not isinstance(step, dict) or not isinstance(step.get("query"), str) or not step["query"].strip():
@@ -268,6 +276,7 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
                     "reward": reward,
                     "num_searches": int(record.num_retrievals),
                     "gold_hit": bool(set(q.gold_passage_ids) & retrieved),
+                    "modes": [step.get("mode") for step in q.golden_trajectory],
                 })
             bar.update(len(part))
     return out
@@ -311,10 +320,12 @@ def _masked_nll_sum(model, input_ids, attention_mask, loss_mask):
 # ============================================================================ trainer
 
 
-def _check_examples(examples, max_seq_tokens: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+def _check_examples(examples, max_seq_tokens: int) -> tuple[list[tuple[list[int], list[int]]], list[int], int]:
+    """(rows, the example index of each row, how many were truncated); an example with no model
+    token within ``max_seq_tokens`` is left out."""
     if not examples:
         raise ValueError("run_sft: no examples given")
-    rows, truncated = [], 0
+    rows, kept, truncated = [], [], 0
     for i, ex in enumerate(examples):
         if not isinstance(ex, dict) or "token_ids" not in ex or "loss_mask" not in ex:
             raise ValueError(f"example {i}: expected a dict with 'token_ids' and 'loss_mask'")
@@ -328,9 +339,10 @@ def _check_examples(examples, max_seq_tokens: int) -> tuple[list[tuple[list[int]
         if sum(mask[1:]) == 0:
             continue  # nothing to learn within max_seq_tokens
         rows.append((ids, mask))
+        kept.append(i)
     if not rows:
         raise ValueError(f"run_sft: no example has a model token within the first max_seq_tokens={max_seq_tokens} tokens")
-    return rows, truncated
+    return rows, kept, truncated
 
 
 def _pad(rows, pad_id: int, device):
@@ -361,10 +373,66 @@ def export_policy(model, tokenizer, final_dir: Path) -> Path:
     return final_dir
 
 
+LR_SCHEDULES = ("constant", "linear")
+
+
+def lr_factor(schedule: str, step: int, total_steps: int) -> float:
+    """The multiple of the base lr used by optimizer update ``step`` (0-based) of ``total_steps``.
+
+    ``constant``: 1. ``linear``: 1 - step/total_steps, so the first update takes the full lr and
+    the last lr/total_steps. A decaying lr keeps the last few batches from setting what a short
+    run ends with (a 12-step format SFT at constant lr ends with whatever mode the final batches
+    happened to favour)."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return 1.0 - step / total_steps
+    raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+
+
+def balanced_order(labels: Sequence, rng: random.Random) -> list[int]:
+    """A permutation of ``range(len(labels))`` that spreads every label evenly through the order.
+
+    Position m (1-based) takes the label furthest behind its share, ``m·n_label/N - taken_label``
+    (ties in a random label order), and within a label the items come in a random order. Every
+    prefix then holds each label's share to within one item, so every batch sees the mix the data
+    have, not a run of one kind."""
+    groups: dict = {}
+    for i, label in enumerate(labels):
+        groups.setdefault(label, []).append(i)
+    for members in groups.values():
+        rng.shuffle(members)
+    names = list(groups)
+    rng.shuffle(names)
+    total, taken, order = len(labels), {name: 0 for name in names}, []
+    for m in range(1, total + 1):
+        behind = max((name for name in names if taken[name] < len(groups[name])),
+                     key=lambda name: m * len(groups[name]) / total - taken[name])
+        order.append(groups[behind][taken[behind]])
+        taken[behind] += 1
+    return order
+
+
+def grouped_order(labels: Sequence, rng: random.Random) -> list[int]:
+    """A permutation of ``range(len(labels))`` that keeps the items of each label together (in
+    their given order) and shuffles the groups: with a batch size that is a multiple of the group
+    size, every batch holds whole groups (a question's examples under every mode, say)."""
+    groups: dict = {}
+    for i, label in enumerate(labels):
+        groups.setdefault(label, []).append(i)
+    runs = list(groups.values())
+    rng.shuffle(runs)
+    return [i for run in runs for i in run]
+
+
 def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, batch_size=8, grad_accum=1,
             max_seq_tokens=1024, seed=0, lora: dict | None = None, num_threads: int | None = None,
-            show_progress=True) -> dict:
+            lr_schedule: str = "constant", epoch_order=None, show_progress=True) -> dict:
     """Fine-tune ``policy`` on ``examples`` (from ``golden_examples``); see the module docstring.
+
+    ``lr_schedule`` is ``lr_factor``'s. ``epoch_order(examples, rng) -> permutation``, if given,
+    orders each epoch instead of a plain shuffle (the examples it sees are those trained on; the
+    routing experiment passes ``balanced_order`` or ``grouped_order`` over a label).
 
     Returns ``{"policy_dir", "steps", "loss_first", "loss_last", "seconds", "examples",
     "tokens_trained", ...}`` (also written to ``<out_dir>/sft_summary.json``)."""
@@ -378,7 +446,9 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
         raise ValueError("epochs, batch_size and grad_accum must be >= 1 and max_seq_tokens >= 2")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
-    rows, truncated = _check_examples(examples, int(max_seq_tokens))
+    lr_factor(lr_schedule, 0, 1)  # an unknown schedule fails before the model loads
+    rows, kept, truncated = _check_examples(examples, int(max_seq_tokens))
+    kept_examples = [examples[i] for i in kept]
     lora_cfg = lora_settings(lora)
     if num_threads:
         torch.set_num_threads(int(num_threads))
@@ -401,6 +471,7 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
     per_step = int(batch_size) * int(grad_accum)
     steps_per_epoch = max(1, math.ceil(len(rows) / per_step))
     total_steps = steps_per_epoch * int(epochs)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(lr_schedule, k, total_steps))
     metrics_path = out / "sft_metrics.jsonl"
     losses: list[float] = []
     tokens_trained = 0
@@ -408,8 +479,13 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
     with open(metrics_path, "w", encoding="utf-8") as metrics, \
             tqdm(total=total_steps, desc="sft", unit="step", disable=not show_progress) as bar:
         for epoch in range(int(epochs)):
-            order = list(range(len(rows)))
-            rng.shuffle(order)
+            if epoch_order is None:
+                order = list(range(len(rows)))
+                rng.shuffle(order)
+            else:
+                order = list(epoch_order(kept_examples, rng))
+                if sorted(order) != list(range(len(rows))):
+                    raise ValueError(f"epoch_order must return a permutation of range({len(rows)})")
             for s in range(steps_per_epoch):
                 chunk = [rows[i] for i in order[s * per_step:(s + 1) * per_step]]
                 if not chunk:
@@ -426,13 +502,15 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
                     (nll / n_tokens).backward()
                     total += float(nll.detach())
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+                step_lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()
+                schedule.step()
                 step += 1
                 loss = total / n_tokens
                 losses.append(loss)
                 tokens_trained += sum(len(i) for i, _ in chunk)
                 row = {"step": step, "epoch": epoch, "loss": round(loss, 6), "model_tokens": n_tokens,
-                       "sequences": len(chunk), "grad_norm": round(grad_norm, 4), "lr": float(lr),
+                       "sequences": len(chunk), "grad_norm": round(grad_norm, 4), "lr": float(step_lr),
                        "seconds": round(time.perf_counter() - t0, 4)}
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -453,7 +531,8 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
         "tokens_trained": tokens_trained,
         "examples_truncated": truncated,
         "examples_skipped": len(examples) - len(rows),
-        "epochs": int(epochs), "lr": float(lr), "batch_size": int(batch_size), "grad_accum": int(grad_accum),
+        "epochs": int(epochs), "lr": float(lr), "lr_schedule": lr_schedule, "ordered": epoch_order is not None,
+        "batch_size": int(batch_size), "grad_accum": int(grad_accum),
         "max_seq_tokens": int(max_seq_tokens), "seed": int(seed),
         "lora": None if lora_cfg is None else {**asdict(lora_cfg), "target_modules": list(lora_cfg.target_modules)},
         "device": str(device), "compute_dtype": "bfloat16" if cuda else "float32", "policy": str(policy),

@@ -224,3 +224,27 @@ def test_sft_modes_weight_the_draw_and_reject_typos(world):
              for step in q.golden_trajectory]
     share = steps.count("graph") / len(steps)
     assert len(steps) >= 100 and 0.12 < share < 0.38
+
+
+def test_sft_order_and_schedule_flags(capsys):
+    import random
+
+    from experiments.routing import SFT_ORDERS, SeedSettings, build_parser, graph_searches
+
+    args = build_parser().parse_args(["--sft-order", "per-question", "--sft-lr-schedule", "linear",
+                                      "--sft-mode-sampling", "every"])
+    assert (args.sft_order, args.sft_lr_schedule, args.sft_mode_sampling) == ("per-question", "linear", "every")
+    defaults = SeedSettings()
+    assert (defaults.sft_order, defaults.sft_lr_schedule, defaults.sft_mode_sampling) == ("shuffled", "constant", "draw")
+    for bad in (["--sft-order", "sorted"], ["--sft-lr-schedule", "cosine"], ["--sft-mode-sampling", "all"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+        assert "invalid choice" in capsys.readouterr().err
+    assert SFT_ORDERS["shuffled"] is None
+    examples = [{"question_id": q, "modes": m} for q, m in
+                [("a", ["passage"]), ("b", ["passage"]), ("a", ["graph"]), ("b", ["graph"])]]
+    order = SFT_ORDERS["per-question"](examples, random.Random(0))
+    assert order in ([0, 2, 1, 3], [1, 3, 0, 2])
+    order = SFT_ORDERS["mode-balanced"](examples, random.Random(0))
+    assert sorted(graph_searches(examples[i]) for i in order[:2]) == [0, 1]
+    assert graph_searches({"modes": ["graph", "passage", "graph"]}) == 2 and graph_searches({"modes": []}) == 0

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.sft import build_parser, golden_examples, masked_cross_entropy, run_sft
+from experiments.sft import (balanced_order, build_parser, golden_examples, grouped_order, lr_factor,
+                             masked_cross_entropy, run_sft, with_search_modes)
 from raggym.protocol import DIALECT_NAMES as DIALECTS
 
 
@@ -196,6 +197,91 @@ def test_lora_run_exports_merged_weights(small_world, small_world_retriever, tok
     assert any(k.endswith("q_proj.weight") for k in keys)
 
 
+def test_lr_factor_by_hand():
+    assert [lr_factor("linear", k, 4) for k in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert [lr_factor("constant", k, 4) for k in range(4)] == [1.0] * 4
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        lr_factor("cosine", 0, 4)
+
+
+def test_balanced_order_by_hand():
+    import random
+
+    # 6 passage-only examples and 2 with a graph search: each half of the order holds one graph one
+    labels = ["p", "p", "g", "p", "p", "p", "g", "p"]
+    for seed in range(20):
+        order = balanced_order(labels, random.Random(seed))
+        assert sorted(order) == list(range(8))
+        halves = [[labels[i] for i in order[:4]], [labels[i] for i in order[4:]]]
+        assert [h.count("g") for h in halves] == [1, 1]
+    # a plain shuffle leaves both graph examples in one half for some seeds: the balance is not free
+    unbalanced = 0
+    for seed in range(20):
+        order = list(range(8))
+        random.Random(seed).shuffle(order)
+        unbalanced += sum(labels[i] == "g" for i in order[:4]) != 1
+    assert unbalanced > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(labels=st.lists(st.integers(0, 4), min_size=1, max_size=60), seed=st.integers(0, 2**16))
+def test_balanced_order_keeps_every_prefix_within_one_item_of_each_share(labels, seed):
+    import random
+
+    order = balanced_order(labels, random.Random(seed))
+    assert sorted(order) == list(range(len(labels)))
+    counts = {label: labels.count(label) for label in set(labels)}
+    seen = dict.fromkeys(counts, 0)
+    for m, i in enumerate(order, 1):
+        seen[labels[i]] += 1
+        for label, n in counts.items():
+            assert abs(seen[label] - m * n / len(labels)) < 1
+
+
+def test_grouped_order_keeps_each_label_together():
+    import random
+
+    labels = ["q1", "q1", "q2", "q3", "q2", "q3", "q1"]
+    orders = {tuple(grouped_order(labels, random.Random(seed))) for seed in range(30)}
+    # q1 = (0, 1, 6), q2 = (2, 4), q3 = (3, 5): the three runs in any of their 3! orders
+    runs = [(0, 1, 6), (2, 4), (3, 5)]
+    import itertools
+    assert orders == {tuple(i for run in perm for i in run) for perm in itertools.permutations(runs)}
+
+
+def test_rotated_modes_give_every_step_each_listed_mode_once():
+    from raggym.data import Question
+
+    q = Question(id="q", question="?", answers=("a",),
+                 golden_trajectory=({"query": "x"}, {"query": "y"}, {"query": "z"}))
+    rotations = [[s["mode"] for s in with_search_modes([q], ("passage", "passage", "graph"), rotation=r)[0].golden_trajectory]
+                 for r in range(3)]
+    assert rotations == [["passage", "passage", "graph"], ["passage", "graph", "passage"], ["graph", "passage", "passage"]]
+
+
+def test_examples_record_their_modes_and_a_scheduled_balanced_run_logs_its_lr(small_world, small_world_retriever,
+                                                                              tokenizer, tmp_path):
+    qs = [q for q in small_world.questions if q.kind == "bridge"][:4]
+    examples = golden_examples(qs, small_world_retriever, "routerag", tokenizer, max_observation_tokens=24,
+                               modes=("passage", "graph"), mode_seed=5, show_progress=False)
+    drawn = with_search_modes(qs, ("passage", "graph"), seed=5)
+    assert [ex["modes"] for ex in examples] == [[s["mode"] for s in q.golden_trajectory] for q in drawn]
+    assert all(len(ex["modes"]) == ex["num_searches"] for ex in examples)
+    seen = []
+
+    def by_graph_searches(exs, rng):
+        seen.append([ex["question_id"] for ex in exs])
+        return balanced_order([ex["modes"].count("graph") for ex in exs], rng)
+
+    summary = run_sft("smollm2-135m", examples, tmp_path, epochs=2, lr=1e-4, batch_size=2, max_seq_tokens=512,
+                      lr_schedule="linear", epoch_order=by_graph_searches, show_progress=False)
+    assert seen == [[q.id for q in qs]] * 2  # once per epoch, every example
+    rows = [json.loads(line) for line in (tmp_path / "sft_metrics.jsonl").read_text().splitlines()]
+    # 2 epochs x 2 steps: lr 1e-4 x (1, 3/4, 1/2, 1/4)
+    assert [r["lr"] for r in rows] == pytest.approx([1e-4, 0.75e-4, 0.5e-4, 0.25e-4])
+    assert summary["lr_schedule"] == "linear" and summary["ordered"] is True and summary["steps"] == 4
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -219,6 +305,10 @@ def test_bad_inputs_raise_clear_errors(small_world, small_world_retriever, token
         run_sft("smollm2-135m", [{"token_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path, lora={"rank": 4})
     with pytest.raises(ValueError, match="lr must be a positive"):
         run_sft("smollm2-135m", [{"token_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path, lr=0)
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        run_sft("smollm2-135m", [{"token_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path, lr_schedule="cosine")
+    with pytest.raises(ValueError, match="epoch_order must return a permutation"):
+        run_sft("smollm2-135m", [{"token_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path, epoch_order=lambda exs, rng: [0, 0])
     assert not (tmp_path / "policy").exists()
 
 
