@@ -257,8 +257,10 @@ class SeedSettings:
     # the modes SFT's golden searches draw from, uniformly: repeat a mode to weight it
     # ("passage,passage,passage,graph" draws graph for a quarter of the searches)
     sft_modes: str = "passage,graph"
-    # "linear" decays SFT's lr to 0 and "mode-balanced" spreads graph searches evenly over the
-    # batches, so the mode prior SFT leaves follows the data's share, not its last batches
+    # A format-only SFT of a few steps at constant lr ends with whatever mode its last batches
+    # favoured (docs/results.md, "three seeds at the demo's size"). These three let its mode
+    # prior follow the data's share instead: "linear" decays the lr to 0 (sft.lr_factor), and
+    # sft_order is one of SFT_ORDERS
     sft_lr_schedule: str = "constant"
     sft_order: str = "shuffled"
     # "draw": one example per question, each search's mode drawn from sft_modes; "every": one
