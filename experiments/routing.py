@@ -11,7 +11,11 @@
    What the agent can see: the relation a question asks about, and a passage search's
    observation, which shows the person only in passing;
 2. **SFT that teaches the format only**: golden episodes whose search mode is drawn at random
-   (passage or graph, per search), so whatever routing the agent ends up with comes from RL;
+   (passage or graph, per search), so whatever routing the agent ends up with comes from RL.
+   ``--sft-mode-sampling every --sft-order per-question --sft-lr-schedule linear`` instead gives
+   each question once per listed mode, one question per batch, and a decaying lr: every batch's
+   gradient at the mode slot then points at the listed share, rather than at whatever mode the
+   last batches happened to draw (``docs/results.md`` has the priors measured both ways);
 3. **stage 1** RouteRAG GRPO (reward = EM), then **stage 2** (EM + batch-centred efficiency with
    the deterministic retrieval cost: a graph search costs about 140x a passage search here), each
    followed by two evaluations on the held-out questions: greedy, and sampled at the training
