@@ -390,6 +390,14 @@ def lr_factor(schedule: str, step: int, total_steps: int) -> float:
     raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
 
 
+def _indices_by_label(labels: Sequence) -> dict:
+    """{label: [indices with that label, in order]}, labels in order of first appearance."""
+    groups: dict = {}
+    for i, label in enumerate(labels):
+        groups.setdefault(label, []).append(i)
+    return groups
+
+
 def balanced_order(labels: Sequence, rng: random.Random) -> list[int]:
     """A permutation of ``range(len(labels))`` that spreads every label evenly through the order.
 
@@ -397,9 +405,7 @@ def balanced_order(labels: Sequence, rng: random.Random) -> list[int]:
     (ties in a random label order), and within a label the items come in a random order. Every
     prefix then holds each label's share to within one item, so every batch sees the mix the data
     have, not a run of one kind."""
-    groups: dict = {}
-    for i, label in enumerate(labels):
-        groups.setdefault(label, []).append(i)
+    groups = _indices_by_label(labels)
     for members in groups.values():
         rng.shuffle(members)
     names = list(groups)
@@ -417,9 +423,7 @@ def grouped_order(labels: Sequence, rng: random.Random) -> list[int]:
     """A permutation of ``range(len(labels))`` that keeps the items of each label together (in
     their given order) and shuffles the groups: with a batch size that is a multiple of the group
     size, every batch holds whole groups (a question's examples under every mode, say)."""
-    groups: dict = {}
-    for i, label in enumerate(labels):
-        groups.setdefault(label, []).append(i)
+    groups = _indices_by_label(labels)
     runs = list(groups.values())
     rng.shuffle(runs)
     return [i for run in runs for i in run]
