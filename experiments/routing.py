@@ -13,7 +13,7 @@
 2. **SFT that teaches the format only**: golden episodes whose search mode is drawn at random
    (passage or graph, per search), so whatever routing the agent ends up with comes from RL.
    ``--sft-mode-sampling every --sft-order per-question --sft-lr-schedule linear`` instead gives
-   each question once per listed mode, one question per batch, and a decaying lr: every batch's
+   each question once per listed mode, whole questions per batch, and a decaying lr: every batch's
    gradient at the mode slot then points at the listed share, rather than at whatever mode the
    last batches happened to draw (``docs/results.md`` has the priors measured both ways);
 3. **stage 1** RouteRAG GRPO (reward = EM), then **stage 2** (EM + batch-centred efficiency with
