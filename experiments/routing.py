@@ -282,11 +282,19 @@ class SeedSettings:
     eval_samples: int = 4
     eval_temperature: float = 1.0
     policy: str = "smollm2-135m"
+    # an earlier ``--out`` whose seeds ran SFT with these same SFT and task settings: each seed
+    # starts RL from that run's SFT policy instead of training it again (SFT is a quarter of a
+    # seed's time, and RL variants compared from one SFT policy differ only in their RL)
+    sft_from: str = ""
     overrides: tuple = ()  # extra key=value for the RL config
 
 
-def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwargs: dict, show_progress: bool = True) -> dict:
-    """SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval, for one seed."""
+def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwargs: dict, show_progress: bool = True,
+             task_key: dict | None = None) -> dict:
+    """SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval, for one seed.
+
+    With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
+    ``task_key`` must match the earlier seed's task settings)."""
     from experiments.sft import golden_examples, run_sft
     from experiments.train import load_config, train
     from experiments.report import read_jsonl
@@ -298,18 +306,21 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     policy = s.policy
     retriever = Retriever.load(task.index_dir)
     tokenizer = load_policy_tokenizer(policy)
-    modes = sft_modes(s.sft_modes)
-    rotations = [None] if s.sft_mode_sampling == "draw" else range(len(modes))
-    examples = [ex for rotation in rotations
-                for ex in golden_examples(task.train[: s.sft_examples], retriever, "routerag", tokenizer,
-                                          corpus=task.corpus, top_k=eval_kwargs["top_k"],
-                                          max_observation_tokens=eval_kwargs["max_observation_tokens"],
-                                          modes=modes, mode_seed=seed, mode_rotation=rotation,
-                                          show_progress=show_progress)]
-    sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
-                  lr_schedule=s.sft_lr_schedule, epoch_order=SFT_ORDERS[s.sft_order],
-                  seed=seed, show_progress=show_progress)
-    timings["sft"] = round(time.perf_counter() - t0, 1)
+    if s.sft_from:
+        sft = reused_sft(Path(s.sft_from) / f"seed{seed}", s, task_key)
+    else:
+        modes = sft_modes(s.sft_modes)
+        rotations = [None] if s.sft_mode_sampling == "draw" else range(len(modes))
+        examples = [ex for rotation in rotations
+                    for ex in golden_examples(task.train[: s.sft_examples], retriever, "routerag", tokenizer,
+                                              corpus=task.corpus, top_k=eval_kwargs["top_k"],
+                                              max_observation_tokens=eval_kwargs["max_observation_tokens"],
+                                              modes=modes, mode_seed=seed, mode_rotation=rotation,
+                                              show_progress=show_progress)]
+        sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
+                      lr_schedule=s.sft_lr_schedule, epoch_order=SFT_ORDERS[s.sft_order],
+                      seed=seed, show_progress=show_progress)
+        timings["sft"] = round(time.perf_counter() - t0, 1)
     evals, sampled, results = {}, {}, {}
     probes = mode_probes(task, retriever, tokenizer, eval_kwargs)
 
@@ -347,7 +358,9 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
         evaluate_stage(f"after {stage}", str(run_dir), stage.replace(" ", ""))
     return {"seed": seed, "evaluations": evals, "sampled_evaluations": sampled, "results": results,
             "curves": training_curves(run_dir / "trajectories", task.kinds),
-            "train_metrics": read_jsonl(run_dir / "metrics.jsonl"), "sft": {k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
+            "train_metrics": read_jsonl(run_dir / "metrics.jsonl"),
+            "sft": {**{k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
+                    **({"policy_dir": sft["policy_dir"]} if s.sft_from else {})},
             "seconds": timings}
 
 
@@ -447,6 +460,9 @@ def markdown(report: dict) -> str:
     lines = [f"# {report['title']}", "", f"Command: `{report['command']}`  ", f"Wall time: {report['seconds']:.0f} s; "
              f"seeds {report['seeds']}; machine: {report['machine']}", "", "## Retrieval recall@k on the task (golden sub-queries)", "",
              "| type | questions | passage recall | graph recall | passage cost | graph cost |", "|---|---|---|---|---|---|"]
+    if report.get("settings", {}).get("sft_from"):
+        lines[4:4] = ["", f"SFT policies: trained by the earlier run in `{report['settings']['sft_from']}` (same SFT settings, "
+                      "checked); this run's after-SFT rows re-evaluate them"]
     for kind, r in report["recall"].items():
         lines.append(f"| {kind} | {r['questions']} | {r['passage_recall']:.3f} | {r['graph_recall']:.3f} | "
                      f"{r['passage_cost']:.0f} | {r['graph_cost']:.0f} |")
@@ -531,9 +547,38 @@ SFT_MODE_SAMPLING = ("draw", "every")
 
 def _seed_settings_key(settings: SeedSettings, args) -> dict:
     """What a seed's result depends on besides the seed: its settings and the task's."""
-    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
-            "world_seed": args.world_seed, "entities": args.entities, "questions": args.questions,
-            "heldout": args.heldout}
+    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()}, **_task_key(args)}
+
+
+# what an SFT policy depends on: a reused one must have been trained with the same values
+SFT_KEYS = ("sft_examples", "sft_epochs", "sft_lr", "sft_batch", "sft_modes", "sft_lr_schedule", "sft_order",
+            "sft_mode_sampling", "policy")
+
+
+def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | None) -> dict:
+    """``run_sft``'s summary of the SFT policy an earlier run trained for this seed, after checking
+    that the earlier seed used the same SFT settings and task (``task_key``: world and held-out
+    split); a mismatch or a missing file is an error naming the file, never a silent retrain."""
+    report_path, summary_path = earlier_seed_dir / "seed_report.json", earlier_seed_dir / "sft" / "sft_summary.json"
+    try:
+        earlier = json.loads(report_path.read_text(encoding="utf-8"))["settings"]
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--sft-from: cannot read the earlier seed's report and SFT summary "
+                         f"({report_path}, {summary_path}): {e}") from e
+    wanted = {k: getattr(settings, k) for k in SFT_KEYS} | dict(task_key or {})
+    differing = {k: (earlier.get(k), v) for k, v in wanted.items() if earlier.get(k) != v}
+    if differing:
+        raise ValueError(f"--sft-from: {report_path} trained SFT with other settings "
+                         f"(key: (earlier, now)): {differing}")
+    policy_dir = earlier_seed_dir / "sft" / "policy"
+    if not (policy_dir / "config.json").is_file():
+        raise ValueError(f"--sft-from: {policy_dir} holds no saved policy")
+    return {**summary, "policy_dir": str(policy_dir.resolve())}
+
+
+def _task_key(args) -> dict:
+    return {"world_seed": args.world_seed, "entities": args.entities, "questions": args.questions, "heldout": args.heldout}
 
 
 def finished_seed(seed_dir: Path, settings: SeedSettings, args) -> dict | None:
@@ -589,6 +634,9 @@ def run(args) -> dict:
     sft_modes(settings.sft_modes)  # a bad spec fails here, not after the first seed's task is built
     if settings.sft_order not in SFT_ORDERS or settings.sft_mode_sampling not in SFT_MODE_SAMPLING:
         raise ValueError(f"sft_order must be one of {tuple(SFT_ORDERS)} and sft_mode_sampling one of {SFT_MODE_SAMPLING}")
+    if settings.sft_from:  # every seed's earlier SFT is checked before the first seed's hour of CPU
+        for seed in args.seeds:
+            reused_sft(Path(settings.sft_from) / f"seed{seed}", settings, _task_key(args))
     runs = []
     for seed in args.seeds:
         done = finished_seed(out / f"seed{seed}", settings, args)
@@ -597,7 +645,7 @@ def run(args) -> dict:
             runs.append(done)
             continue
         _say(f"seed {seed}")
-        runs.append({**run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS),
+        runs.append({**run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS, task_key=_task_key(args)),
                      "settings": _seed_settings_key(settings, args)})
         atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
     table, sampled_table = summarise(runs), summarise(runs, "sampled_evaluations")

@@ -212,6 +212,32 @@ def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
     assert finished_seed(tmp_path, settings, args) is None
 
 
+def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_path):
+    from experiments.routing import SeedSettings, _seed_settings_key, build_parser, reused_sft
+
+    args = build_parser().parse_args(["--seeds", "0", "--sft-from", str(tmp_path)])
+    assert args.sft_from == str(tmp_path)
+    earlier, seed_dir = SeedSettings(sft_examples=48), tmp_path / "seed0"
+    with pytest.raises(ValueError, match="seed_report.json"):  # nothing there
+        reused_sft(seed_dir, earlier, {})
+    (seed_dir / "sft" / "policy").mkdir(parents=True)
+    (seed_dir / "seed_report.json").write_text(json.dumps({"settings": _seed_settings_key(earlier, args)}))
+    (seed_dir / "sft" / "sft_summary.json").write_text(json.dumps({"examples": 96, "steps": 24, "loss_first": 2.4,
+                                                                   "loss_last": 0.2, "policy_dir": "/elsewhere"}))
+    task = {"world_seed": args.world_seed, "entities": args.entities, "questions": args.questions, "heldout": args.heldout}
+    with pytest.raises(ValueError, match="no saved policy"):
+        reused_sft(seed_dir, earlier, task)
+    (seed_dir / "sft" / "policy" / "config.json").write_text("{}")
+    # RL settings may differ: that is what reusing one SFT policy is for
+    now = SeedSettings(sft_examples=48, stage1_steps=3, overrides=("rollout.temperature=0.7",), sft_from=str(tmp_path))
+    sft = reused_sft(seed_dir, now, task)
+    assert sft["steps"] == 24 and sft["policy_dir"] == str((seed_dir / "sft" / "policy").resolve())
+    with pytest.raises(ValueError, match="sft_lr"):  # another SFT
+        reused_sft(seed_dir, SeedSettings(sft_examples=48, sft_lr=1e-4), task)
+    with pytest.raises(ValueError, match="heldout"):  # another task
+        reused_sft(seed_dir, now, {**task, "heldout": 10})
+
+
 def test_sft_modes_weight_the_draw_and_reject_typos(world):
     from experiments.routing import sft_modes
 
