@@ -25,6 +25,8 @@
 It writes ``report.json``, ``report.md`` and PNG curves under ``--out``: per question type and
 stage, EM and graph share (mean and spread over seeds), retrieval cost per question, and the
 reward and graph-share curves over training steps. ``docs/results.md`` records a run.
+``--sft-from <earlier --out>`` starts each seed's RL from the SFT policy that earlier run trained
+(its SFT and task settings must match), so RL variants are compared from the same policies.
 
 The same functions run one seed inside ``make demo`` (``experiments.demo``).
 """
