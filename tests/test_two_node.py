@@ -55,6 +55,10 @@ PLACEMENT = [  # shard, env runner and learner on the worker node; the engine on
 # read from the shared path), and Ray's default (30% of RAM per node) only invites memory pressure.
 OBJECT_STORE_BYTES = 200 * 1024**2
 NODE_START_TIMEOUT_S = 180
+# Ray gives a joining node's raylet a fixed 30 s to register with the GCS (ray/_private/node.py), then
+# `ray start` exits 1; on a shared 2-core machine that can pass. Such a start is retried; any other exit fails.
+WORKER_START_ATTEMPTS = 3
+RAY_STARTUP_TIMEOUT = "The current node timed out during startup"
 TRAIN_TIMEOUT_S = 480  # one trainer launch: 1.5-3 min on this 2-core machine, 5 when it is shared
 REFUSAL_TIMEOUT_S = 180  # a launch that must stop at its storage check
 SHARED_PARENT = "/var/tmp"  # a directory both nodes see (the worker's /tmp is its own)
@@ -131,15 +135,29 @@ def cluster():
         [str(bin_dir / "ray"), "start", "--head", f"--port={port}", *node, f"--resources={json.dumps({HEAD_LABEL: 10})}",
          "--include-dashboard=false", f"--temp-dir={head_tmp}", *ports()],
         env=env, stdout=(logs / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    # The worker starts at once, beside the head: `ray start --address` waits for the head's GCS.
-    start_worker = " ".join([
+    # The worker starts once the head has joined: started together, the two nodes' processes compete for
+    # the two cores and the worker's raylet can miss Ray's registration deadline.
+    start_worker = lambda: " ".join([  # noqa: E731  (fresh ports for each attempt)
         "mount -t tmpfs tmpfs /tmp &&", "exec", str(bin_dir / "ray"), "start", f"--address={address}", *node,
         f"--resources='{json.dumps({WORKER_LABEL: 10})}'", f"--temp-dir={worker_tmp}", *ports()])
-    worker = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "bash", "-c", start_worker],
-                              env=env, stdout=(logs / "worker.log").open("w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    worker = None
     try:
-        _wait_for_nodes(address, env, {"head": (head, logs / "head.log"), "worker": (worker, logs / "worker.log")})
+        _wait_for_nodes(address, env, 1, {"head": (head, logs / "head.log")})
+        _phase("head up", t0)
+        for attempt in range(1, WORKER_START_ATTEMPTS + 1):
+            worker_log = logs / f"worker-{attempt}.log"
+            worker = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "bash", "-c", start_worker()],
+                                      env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            try:
+                _wait_for_nodes(address, env, 2, {"head": (head, logs / "head.log"), "worker": (worker, worker_log)})
+                break
+            except _NodeExited as exited:
+                if exited.node != "worker" or RAY_STARTUP_TIMEOUT not in exited.log or attempt == WORKER_START_ATTEMPTS:
+                    raise
+                _kill_group(worker)  # its raylet may outlive the `ray start` that spawned it
+                print(f"[two-node] worker start {attempt} missed Ray's 30 s registration deadline; retrying",
+                      flush=True)
         _phase("cluster up (head + worker)", t0)
         yield address, env, shared
     finally:
@@ -175,23 +193,39 @@ sys.exit(3)
 """
 
 
-def _wait_for_nodes(address: str, env: dict, starters: dict[str, tuple[subprocess.Popen, Path]]) -> None:
-    """Wait until every node `starters` launched has joined; fail naming one that exited or timed out."""
-    poll = subprocess.Popen([sys.executable, "-c", _COUNT_NODES, address, str(len(starters)), str(NODE_START_TIMEOUT_S)],
+class _NodeExited(AssertionError):
+    """A `ray start` that exited before its node joined; ``log`` is its whole log."""
+
+    def __init__(self, node: str, returncode: int, log: Path):
+        self.node, self.log = node, log.read_text(errors="replace") if log.exists() else ""
+        super().__init__(f"`ray start` of the {node} node exited with {returncode}:\n{_tail(log)}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _wait_for_nodes(address: str, env: dict, want: int, starters: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """Wait until ``want`` nodes are alive; fail naming a starter in ``starters`` that exited, or the timeout."""
+    poll = subprocess.Popen([sys.executable, "-c", _COUNT_NODES, address, str(want), str(NODE_START_TIMEOUT_S)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + NODE_START_TIMEOUT_S + 30
     try:
         while poll.poll() is None and time.monotonic() < deadline:
             for name, (proc, log) in starters.items():
                 if proc.poll() is not None:
-                    raise AssertionError(f"`ray start` of the {name} node exited with {proc.returncode}:\n{_tail(log)}")
+                    raise _NodeExited(name, proc.returncode, log)
             time.sleep(0.5)
     finally:
         if poll.poll() is None:
             poll.kill()
             poll.wait(timeout=30)
     if poll.returncode != 0:
-        raise AssertionError(f"the cluster at {address} did not reach {len(starters)} alive nodes in "
+        raise AssertionError(f"the cluster at {address} did not reach {want} alive nodes in "
                              f"{NODE_START_TIMEOUT_S} s:\n" + "\n".join(_tail(log, 3000) for _, log in starters.values()))
 
 
