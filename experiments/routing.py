@@ -162,36 +162,47 @@ def typed_metrics(episodes: list[dict], kinds: dict[str, str]) -> dict:
 MODE_SLOT = "<search> ["  # RouteRAG's search tag; the mode name follows: "<search> [graph] ..."
 
 
-def graph_preference(model, tokenizer, examples: list[dict]) -> list[float]:
-    """Per golden example, p(graph) / (p(graph) + p(passage)) at its first search's mode slot.
+def mode_logit(model, example: dict, slot: list[int], continuations: list[list[int]]):
+    """log p(graph) − log p(passage) at the golden ``example``'s first search's mode slot, as a
+    scalar tensor that keeps the autograd graph when gradients are enabled.
 
     The example's own tokens (``golden_examples``: prompt, thought, ``<search> [``) are fed up to
-    the slot and the two continuations ``graph]`` and ``passage]`` are scored, so the figure is the
-    policy's mode choice for that question read from its logits: deterministic for given weights,
-    and it moves with every update, where a sampled share needs hundreds of episodes to resolve a
-    change of a few points. The slot is looked up in the model-written tokens only (the prompt's
-    instructions show the tag too)."""
+    the slot and the two ``continuations`` (the tokens of ``graph]`` and ``passage]``) are scored.
+    The slot is looked up in the model-written tokens only (the prompt's instructions show the
+    tag too)."""
     import torch
 
-    slot = tokenizer.encode(MODE_SLOT, add_special_tokens=False)
-    continuations = [tokenizer.encode(mode + "]", add_special_tokens=False) for mode in ("graph", "passage")]
-    preferences = []
+    ids, mask = example["token_ids"], example["loss_mask"]
+    end = next((i + len(slot) for i in range(len(ids) - len(slot) + 1)
+                if mask[i] == 1 and ids[i:i + len(slot)] == slot), None)
+    if end is None:
+        raise ValueError(f"golden example {example.get('question_id')!r} has no {MODE_SLOT!r} in its model turns")
+    logps = []
+    for cont in continuations:
+        logits = model(torch.tensor([ids[:end] + cont])).logits[0, end - 1:-1].float()
+        # log p(cont | prefix) = Σ_j log softmax(logits at end-1+j)[cont_j]
+        logps.append(torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)].sum())
+    return logps[0] - logps[1]
+
+
+def mode_slot_tokens(tokenizer) -> tuple[list[int], list[list[int]]]:
+    """The tokens of the mode slot and of its two continuations (``graph]``, ``passage]``)."""
+    return (tokenizer.encode(MODE_SLOT, add_special_tokens=False),
+            [tokenizer.encode(mode + "]", add_special_tokens=False) for mode in ("graph", "passage")])
+
+
+def graph_preference(model, tokenizer, examples: list[dict]) -> list[float]:
+    """Per golden example, p(graph) / (p(graph) + p(passage)) at its first search's mode slot
+    (``mode_logit``): the policy's mode choice for that question read from its logits,
+    deterministic for given weights, and it moves with every update, where a sampled share needs
+    hundreds of episodes to resolve a change of a few points."""
+    import torch
+
+    slot, continuations = mode_slot_tokens(tokenizer)
     model.eval()
-    for ex in examples:
-        ids, mask = ex["token_ids"], ex["loss_mask"]
-        end = next((i + len(slot) for i in range(len(ids) - len(slot) + 1)
-                    if mask[i] == 1 and ids[i:i + len(slot)] == slot), None)
-        if end is None:
-            raise ValueError(f"golden example {ex.get('question_id')!r} has no {MODE_SLOT!r} in its model turns")
-        logps = []
-        for cont in continuations:
-            seq = torch.tensor([ids[:end] + cont])
-            with torch.no_grad():
-                logits = model(seq).logits[0, end - 1:-1].float()
-            # log p(cont | prefix) = Σ_j log softmax(logits at end-1+j)[cont_j]
-            logps.append(torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)].sum())
-        preferences.append(float(torch.sigmoid(logps[0] - logps[1])))  # p_g / (p_g + p_p)
-    return preferences
+    with torch.no_grad():
+        # p_g / (p_g + p_p) = sigmoid(log p_g − log p_p)
+        return [float(torch.sigmoid(mode_logit(model, ex, slot, continuations))) for ex in examples]
 
 
 def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_type: int = 16) -> dict[str, list[dict]]:

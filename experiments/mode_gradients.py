@@ -1,0 +1,137 @@
+"""Why the routing policy does not split its mode choice by question type: the mode slot's gradients.
+
+The learning proof (``experiments.routing``) needs one policy to prefer ``[graph]`` on
+``graph_only`` questions and ``[passage]`` on ``direct`` ones. Every RL update moves the mode
+logit z = log p(graph) − log p(passage) of both types at once. This tool measures how much, from
+the gradients of z at the held-out probes' mode slots (``experiments.routing.mode_logit``):
+
+* ``g_rewarded``: the mean gradient of z over the ``graph_only`` probes (the type whose reward
+  points at the graph), ``g_other``: over the ``direct`` probes;
+* ``cosine``: cos(g_rewarded, g_other). Near 1, the two types share one mode slot;
+* ``sign_step_ratio``: how far a step that raises z on ``graph_only`` by 1 raises it on ``direct``,
+  for AdamW's early, sign-like step u = sign(g_rewarded):  ⟨g_other, u⟩ / ⟨g_rewarded, u⟩;
+* ``sgd_step_ratio``: the same for a plain gradient step u = g_rewarded:  ⟨g_other, g_rewarded⟩ / |g_rewarded|²;
+* ``differential_share``: |g_rewarded − g_other| / |(g_rewarded + g_other) / 2|, the size of the
+  part of the gradient that tells the types apart, against the part they share.
+
+A ratio near 1 means the types cannot be moved apart by the updates RL makes on either alone:
+the reward must push the two types in opposite directions with nearly equal weight in the same
+batch before the differential part acts.
+
+    python -m experiments.mode_gradients --task /tmp/routing --heldout 48 POLICY [POLICY ...]
+
+``--task`` is an ``experiments.routing --out`` folder (its world and index are reused, with the
+same ``--world-seed``, ``--entities``, ``--questions`` and ``--heldout``); a POLICY is a model spec,
+an HF folder, a checkpoint or a run folder (its last checkpoint). One JSON line per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REWARDED, OTHER = "graph_only", "direct"
+
+
+def gradient_alignment(g_rewarded, g_other) -> dict:
+    """The alignment figures of the module docstring for two flat gradient tensors."""
+    import torch
+
+    if g_rewarded.shape != g_other.shape:
+        raise ValueError(f"gradients differ in shape: {tuple(g_rewarded.shape)} vs {tuple(g_other.shape)}")
+    g_r, g_o = g_rewarded.double(), g_other.double()
+    if not torch.any(g_r != 0):
+        raise ValueError("the rewarded type's gradient is zero: no step direction to compare against")
+    sign = torch.sign(g_r)  # AdamW's first bias-corrected step: m̂/√v̂ = g/|g| per parameter
+    return {
+        "cosine": float(torch.dot(g_r, g_o) / (g_r.norm() * g_o.norm())),
+        "sign_step_ratio": float(torch.dot(g_o, sign) / torch.dot(g_r, sign)),  # ⟨g_o, u⟩ / ⟨g_r, u⟩
+        "sgd_step_ratio": float(torch.dot(g_o, g_r) / torch.dot(g_r, g_r)),  # ⟨g_o, g_r⟩ / |g_r|²
+        "differential_share": float((g_r - g_o).norm() / ((g_r + g_o) / 2).norm()),
+    }
+
+
+def mean_mode_gradient(model, tokenizer, examples: list[dict]):
+    """Mean over ``examples`` of d z / d θ (z: ``mode_logit``), flattened over the trainable
+    parameters, and the per-example z values."""
+    import torch
+
+    from experiments.routing import mode_logit, mode_slot_tokens
+
+    if not examples:
+        raise ValueError("no examples to take the mode gradient of")
+    slot, continuations = mode_slot_tokens(tokenizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total, logits = None, []
+    model.eval()  # no dropout: the gradient of the policy the evaluation reads
+    for example in examples:
+        model.zero_grad(set_to_none=True)
+        z = mode_logit(model, example, slot, continuations)
+        z.backward()
+        logits.append(float(z.detach()))
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params])
+        total = flat if total is None else total.add_(flat)  # one running sum: a 135M model's gradient is 0.5 GB
+    model.zero_grad(set_to_none=True)
+    return total / len(examples), logits
+
+
+def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]]) -> dict:
+    """``gradient_alignment`` of the two types' mean mode gradients, with each type's mean p(graph)."""
+    import math
+
+    missing = {REWARDED, OTHER} - set(probes)
+    if missing:
+        raise ValueError(f"probes lack question type(s) {sorted(missing)}; have {sorted(probes)}")
+    grads, p_graph = {}, {}
+    for kind in (REWARDED, OTHER):
+        grads[kind], logits = mean_mode_gradient(model, tokenizer, probes[kind])
+        p_graph[kind] = statistics.fmean(1 / (1 + math.exp(-z)) for z in logits)  # sigmoid(z)
+    return {**gradient_alignment(grads[REWARDED], grads[OTHER]), "p_graph": p_graph,
+            "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.mode_gradients", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", required=True, help="an experiments.routing --out folder")
+    p.add_argument("--world-seed", type=int, default=0)
+    p.add_argument("--entities", type=int, default=300)
+    p.add_argument("--questions", type=int, default=400)
+    p.add_argument("--heldout", type=int, default=64)
+    p.add_argument("--per-type", type=int, default=16, help="held-out probes per question type")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("policies", nargs="+", help="model spec, HF folder, checkpoint or run folder")
+    return p
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from experiments.evaluate import resolve_policy
+    from experiments.routing import EVAL_KWARGS, build_task, mode_probes
+    from raggym.models import load_policy, load_policy_tokenizer
+    from raggym.retrieval import Retriever
+
+    args = build_parser().parse_args(argv)
+    if not (Path(args.task) / "world").is_dir():
+        raise SystemExit(f"--task {args.task}: no world/ folder there; pass an experiments.routing --out folder")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = build_task(Path(args.task), seed=args.world_seed, entities=args.entities, questions=args.questions,
+                      heldout=args.heldout, show_progress=False)
+    tokenizer = load_policy_tokenizer("smollm2-135m")
+    probes = mode_probes(task, Retriever.load(task.index_dir), tokenizer, EVAL_KWARGS, per_type=args.per_type)
+    for spec in args.policies:
+        started = time.perf_counter()
+        model = load_policy(resolve_policy(spec))[0]
+        result = mode_gradient_alignment(model, tokenizer, probes)
+        print(json.dumps({"policy": spec, **result, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        del model
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

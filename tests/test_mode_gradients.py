@@ -1,0 +1,134 @@
+"""The mode-slot gradient diagnostic (``experiments.mode_gradients``): the alignment maths by hand
+and under hypothesis, and the gradient itself on a tiny random Llama against a finite difference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments.mode_gradients import gradient_alignment, mean_mode_gradient, mode_gradient_alignment
+from experiments.routing import graph_preference
+
+
+def test_alignment_figures_by_hand():
+    g_r, g_o = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([1.0, 1.0, 0.0])
+    got = gradient_alignment(g_r, g_o)
+    # cos = (1 − 2 + 0) / (√5.25 · √2)
+    assert got["cosine"] == pytest.approx(-1 / (math.sqrt(5.25) * math.sqrt(2)))
+    # u = sign(g_r) = (1, −1, 1): ⟨g_o, u⟩ = 0, ⟨g_r, u⟩ = 3.5
+    assert got["sign_step_ratio"] == pytest.approx(0.0)
+    # ⟨g_o, g_r⟩ / |g_r|² = −1 / 5.25
+    assert got["sgd_step_ratio"] == pytest.approx(-1 / 5.25)
+    # |(0, −3, 0.5)| / |(1, −0.5, 0.25)|
+    assert got["differential_share"] == pytest.approx(math.sqrt(9.25) / math.sqrt(1.3125))
+
+
+def test_one_shared_gradient_gives_ratio_one_and_no_differential():
+    g = torch.tensor([0.3, -0.1, 2.0, 0.0])
+    got = gradient_alignment(g, g.clone())
+    assert got == pytest.approx({"cosine": 1.0, "sign_step_ratio": 1.0, "sgd_step_ratio": 1.0, "differential_share": 0.0})
+
+
+def test_alignment_refuses_what_it_cannot_compare():
+    with pytest.raises(ValueError, match="shape"):
+        gradient_alignment(torch.ones(3), torch.ones(4))
+    with pytest.raises(ValueError, match="zero"):
+        gradient_alignment(torch.zeros(3), torch.ones(3))
+
+
+finite = st.floats(-10, 10, allow_nan=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(finite, finite), min_size=2, max_size=12), st.floats(0.01, 100))
+def test_alignment_is_scale_free_and_bounded(pairs, scale):
+    g_r = torch.tensor([a for a, _ in pairs], dtype=torch.float64)  # float64: scaling rounds nothing
+    g_o = torch.tensor([b for _, b in pairs], dtype=torch.float64)
+    if not torch.any(g_r != 0) or not torch.any(g_o != 0) or not torch.any(g_r + g_o != 0):
+        return
+    got = gradient_alignment(g_r, g_o)
+    scaled = gradient_alignment(scale * g_r, scale * g_o)  # the same policy at another lr scale
+    assert scaled == pytest.approx(got, rel=1e-6, abs=1e-9)
+    assert -1 - 1e-9 <= got["cosine"] <= 1 + 1e-9
+    # the rewarded type moves itself by exactly its own step
+    assert gradient_alignment(g_r, g_r)["sign_step_ratio"] == pytest.approx(1.0)
+
+
+def _example(tokenizer, question: str, thought: str) -> dict:
+    """A golden prefix as ``golden_examples`` lays it out: prompt (masked out), then the model's
+    turn up to and including the mode slot."""
+    prompt = tokenizer.encode(f"Answer the question. Modes: [passage] or [graph].\nQuestion: {question}\n")
+    turn = tokenizer.encode(f"<think> {thought} </think>\n<search> [", add_special_tokens=False)
+    return {"question_id": question, "token_ids": prompt + turn, "loss_mask": [0] * len(prompt) + [1] * len(turn)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_random_policy):
+    from raggym.models import load_policy
+
+    model, tokenizer = load_policy(tiny_random_policy)
+    probes = {
+        "graph_only": [_example(tokenizer, "What is the birthplace of Adve Viad?", "I need the birthplace of Adve Viad."),
+                       _example(tokenizer, "Name the employer of Wentas Peostvi.", "I need the employer of Wentas Peostvi.")],
+        "direct": [_example(tokenizer, "Who directed The Glass Ovten?", "I need the director of The Glass Ovten."),
+                   _example(tokenizer, "Which country contains Koadhaven?", "I need the country containing Koadhaven.")],
+    }
+    return model, tokenizer, probes
+
+
+def test_mode_logits_are_the_preference_the_evaluation_reads(tiny):
+    model, tokenizer, probes = tiny
+    _, logits = mean_mode_gradient(model, tokenizer, probes["direct"])
+    preference = graph_preference(model, tokenizer, probes["direct"])
+    assert [1 / (1 + math.exp(-z)) for z in logits] == pytest.approx(preference, abs=1e-6)
+
+
+def test_mean_gradient_predicts_a_small_step_on_the_mode_logit(tiny):
+    """A step of ε along the returned gradient raises the mean mode logit by ε·|g| (to first
+    order): a dropped, negated or per-example-mismatched gradient fails this."""
+    model, tokenizer, probes = tiny
+    examples = probes["graph_only"]
+    g, before = mean_mode_gradient(model, tokenizer, examples)
+    assert g.norm() > 0
+    eps = 1e-3
+    direction = g / g.norm()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            p.add_(eps * direction[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+    try:
+        _, after = mean_mode_gradient(model, tokenizer, examples)
+    finally:
+        with torch.no_grad():
+            offset = 0
+            for p in params:
+                p.sub_(eps * direction[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+    rise = sum(after) / len(after) - sum(before) / len(before)
+    assert rise == pytest.approx(eps * float(g.norm()), rel=0.05)
+
+
+def test_alignment_of_two_types_on_a_real_model(tiny):
+    model, tokenizer, probes = tiny
+    same = mode_gradient_alignment(model, tokenizer, {"graph_only": probes["direct"], "direct": probes["direct"]})
+    assert same["cosine"] == pytest.approx(1.0) and same["sign_step_ratio"] == pytest.approx(1.0)
+    assert same["differential_share"] == pytest.approx(0.0, abs=1e-6)
+    apart = mode_gradient_alignment(model, tokenizer, probes)
+    assert apart["differential_share"] > 0 and apart["probes"] == {"graph_only": 2, "direct": 2}
+    assert set(apart["p_graph"]) == {"graph_only", "direct"} and all(0 < p < 1 for p in apart["p_graph"].values())
+    with pytest.raises(ValueError, match="direct"):
+        mode_gradient_alignment(model, tokenizer, {"graph_only": probes["graph_only"]})
+
+
+def test_an_example_without_a_mode_slot_is_named(tiny):
+    model, tokenizer, _ = tiny
+    bad = _example(tokenizer, "Who?", "no search here")
+    bad["loss_mask"] = [0] * len(bad["token_ids"])  # the slot only in the prompt's (unscored) part
+    with pytest.raises(ValueError, match="Who"):
+        mean_mode_gradient(model, tokenizer, [bad])
