@@ -115,9 +115,10 @@ def main(argv=None) -> int:
     from raggym.models import load_policy, load_policy_tokenizer
     from raggym.retrieval import Retriever
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if not (Path(args.task) / "world").is_dir():
-        raise SystemExit(f"--task {args.task}: no world/ folder there; pass an experiments.routing --out folder")
+        parser.error(f"--task {args.task}: no world/ folder there; pass an experiments.routing --out folder")
     if args.threads:
         torch.set_num_threads(args.threads)
     task = build_task(Path(args.task), seed=args.world_seed, entities=args.entities, questions=args.questions,

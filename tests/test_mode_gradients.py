@@ -132,3 +132,12 @@ def test_an_example_without_a_mode_slot_is_named(tiny):
     bad["loss_mask"] = [0] * len(bad["token_ids"])  # the slot only in the prompt's (unscored) part
     with pytest.raises(ValueError, match="Who"):
         mean_mode_gradient(model, tokenizer, [bad])
+
+
+def test_cli_refuses_a_folder_that_is_not_a_routing_run(tmp_path, capsys):
+    from experiments.mode_gradients import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--task", str(tmp_path), "smollm2-135m"])
+    assert exit_info.value.code == 2
+    assert "no world/ folder" in capsys.readouterr().err
