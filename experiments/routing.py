@@ -15,7 +15,11 @@
    ``--sft-mode-sampling every --sft-order per-question --sft-lr-schedule linear`` instead gives
    each question once per listed mode, whole questions per batch, and a decaying lr: every batch's
    gradient at the mode slot then points at the listed share, rather than at whatever mode the
-   last batches happened to draw (``docs/results.md`` has the priors measured both ways);
+   last batches happened to draw (``docs/results.md`` has the priors measured both ways).
+   ``--sft-retry-share 0.5`` repeats the search of half the questions, in the other mode, drawn
+   blind to what the first search found: the data then show that a second search is allowed,
+   and RL may learn to react to a passage search that missed (give ``--max-response-tokens 144``
+   to leave room for it);
 3. **stage 1** RouteRAG GRPO (reward = EM), then **stage 2** (EM + batch-centred efficiency with
    the deterministic retrieval cost: a graph search costs about 140x a passage search here), each
    followed by two evaluations on the held-out questions: greedy, and sampled at the training
@@ -284,6 +288,13 @@ class SeedSettings:
     # example per question and listed mode (rotated over its searches), so the data hold the
     # modes' shares exactly for every question rather than in expectation
     sft_mode_sampling: str = "draw"
+    # the share of SFT questions whose search is repeated once (sft.with_retried_searches): the
+    # data then show that a second search is allowed, drawn blind to the first one's result, so
+    # RL may learn to search the cheap way first and go on to the graph only when that fails
+    sft_retry_share: float = 0.0
+    # the model tokens an episode may generate, in RL rollouts and in the evaluations (a retried
+    # search makes an episode about 40 tokens longer)
+    max_response_tokens: int = 96
     stage1_steps: int = 12
     stage2_steps: int = 8
     prompts_per_step: int = 8
@@ -316,6 +327,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    eval_kwargs = {**eval_kwargs, "max_response_tokens": s.max_response_tokens}  # the rollouts' budget too
     policy = s.policy
     retriever = Retriever.load(task.index_dir)
     tokenizer = load_policy_tokenizer(policy)
@@ -329,7 +341,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
                                               corpus=task.corpus, top_k=eval_kwargs["top_k"],
                                               max_observation_tokens=eval_kwargs["max_observation_tokens"],
                                               modes=modes, mode_seed=seed, mode_rotation=rotation,
-                                              show_progress=show_progress)]
+                                              retry_share=s.sft_retry_share, show_progress=show_progress)]
         sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
                       lr_schedule=s.sft_lr_schedule, epoch_order=SFT_ORDERS[s.sft_order],
                       seed=seed, show_progress=show_progress)
@@ -358,7 +370,8 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
             f"data.corpus={task.world_dir / 'corpus.jsonl'}", f"data.questions={task.world_dir / 'train_questions.jsonl'}",
             f"data.openie={task.world_dir / 'openie.json'}", f"data.index_dir={task.index_dir}",
             f"reward.stage2_start={s.stage1_steps}", f"rollout.prompts_per_step={s.prompts_per_step}",
-            f"rollout.group_size={s.group_size}", f"learner.mini_batch_size={s.prompts_per_step * s.group_size}"]
+            f"rollout.group_size={s.group_size}", f"learner.mini_batch_size={s.prompts_per_step * s.group_size}",
+            f"rollout.max_response_tokens={eval_kwargs['max_response_tokens']}"]
     if s.lr is not None:
         base.append(f"learner.optimizer.lr={s.lr}")
     base += list(s.overrides)
@@ -565,7 +578,7 @@ def _seed_settings_key(settings: SeedSettings, args) -> dict:
 
 # what an SFT policy depends on: a reused one must have been trained with the same values
 SFT_KEYS = ("sft_examples", "sft_epochs", "sft_lr", "sft_batch", "sft_modes", "sft_lr_schedule", "sft_order",
-            "sft_mode_sampling", "policy")
+            "sft_mode_sampling", "sft_retry_share", "policy")
 
 
 def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | None) -> dict:
@@ -580,7 +593,9 @@ def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | 
         raise ValueError(f"--sft-from: cannot read the earlier seed's report and SFT summary "
                          f"({report_path}, {summary_path}): {e}") from e
     wanted = {k: getattr(settings, k) for k in SFT_KEYS} | dict(task_key or {})
-    differing = {k: (earlier.get(k), v) for k, v in wanted.items() if earlier.get(k) != v}
+    # a setting added after the earlier run was written is read as its default, which that run used
+    defaults = vars(SeedSettings())
+    differing = {k: (earlier.get(k, defaults.get(k)), v) for k, v in wanted.items() if earlier.get(k, defaults.get(k)) != v}
     if differing:
         raise ValueError(f"--sft-from: {report_path} trained SFT with other settings "
                          f"(key: (earlier, now)): {differing}")

@@ -79,6 +79,8 @@ def make_env(dialect: str, retriever, *, top_k: int = 3, corpus=None, env_kwargs
 
 def _step_reasoning(question, steps: Sequence[dict], i: int) -> str:
     query = steps[i]["query"]
+    if steps[i].get("retry"):  # says nothing of the first search's result: the retry is drawn blind
+        return f"Let me look up {query} once more."
     if i == 0:
         return f"To answer this I first need {query}."
     previous = steps[i - 1].get("answer")
@@ -126,6 +128,29 @@ def with_search_modes(questions, modes: str | Sequence[str] = "golden", seed: in
                 mode = choices[(int(rotation) + i) % len(choices)]
             steps.append({**step, "mode": mode})
         out.append(dataclasses.replace(q, golden_trajectory=tuple(steps)))
+    return out
+
+
+def with_retried_searches(questions, share: float, seed: int = 0) -> list:
+    """Questions of which a seeded ``share`` search one golden step twice in a row.
+
+    The repeated step keeps its query and is marked ``"retry": True``; its mode is set later by
+    ``with_search_modes`` like any other step's. Format-only SFT uses this to show that a second
+    search is a legal move, without teaching *when* one pays: whether a question repeats a step, and
+    which, depends only on (seed, question id), never on what the first search returned."""
+    import dataclasses
+
+    if not 0.0 <= float(share) <= 1.0:
+        raise ValueError(f"retry share must lie in [0, 1], got {share!r}")
+    out = []
+    for q in questions:
+        steps = list(q.golden_trajectory)
+        rng = random.Random(f"{seed}/{q.id}/retry")
+        if steps and rng.random() < share:
+            i = rng.randrange(len(steps))
+            steps.insert(i + 1, {**steps[i], "retry": True})
+            q = dataclasses.replace(q, golden_trajectory=tuple(steps))
+        out.append(q)
     return out
 
 
@@ -212,7 +237,7 @@ def _play_batch(envs, questions, builders, script) -> list[float]:
 def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=None, top_k: int = 3,
                     max_observation_tokens: int = 128, env_kwargs: dict | None = None,
                     modes: str | Sequence[str] = "golden", mode_seed: int = 0, mode_rotation: int | None = None,
-                    show_progress=True) -> list[dict]:
+                    retry_share: float = 0.0, show_progress=True) -> list[dict]:
     """One supervised example per question, played through the real environment.
 
     Each example is ``{"token_ids", "loss_mask", "question_id", "text", "reward", "num_searches",
@@ -225,7 +250,9 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
     a mode name (``"passage"``) fixes it, and a sequence of modes (``("passage", "graph")``) draws
     one uniformly per search, seeded by ``mode_seed`` and the question id. The last two teach the
     format and leave *when* to use which mode to RL (``with_search_modes``); ``mode_rotation``
-    replaces the draw by a fixed rotation of ``modes``.
+    replaces the draw by a fixed rotation of ``modes``. ``retry_share`` repeats one search of that
+    share of the questions (``with_retried_searches``, seeded by ``mode_seed``), so the data also show
+    a second search of the same query, whose mode the rotation makes the other one.
 
     ``max_observation_tokens`` caps each observation as the rollout does
     (``RolloutConfig.max_observation_tokens``); use the same value in both. R1-Router's
@@ -245,6 +272,8 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
         raise ValueError("golden_examples: no questions given")
     titles_from = corpus if corpus is not None else getattr(retriever, "corpus", None)
     questions = with_golden_trajectories(questions, titles_from, need_answers=dialect == "r1_router")
+    if retry_share:
+        questions = with_retried_searches(questions, retry_share, mode_seed)
     questions = with_search_modes(questions, modes, mode_seed, mode_rotation)
     for q in questions:
         for i, step in enumerate(q.golden_trajectory):

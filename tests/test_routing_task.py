@@ -236,6 +236,22 @@ def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_pa
         reused_sft(seed_dir, SeedSettings(sft_examples=48, sft_lr=1e-4), task)
     with pytest.raises(ValueError, match="heldout"):  # another task
         reused_sft(seed_dir, now, {**task, "heldout": 10})
+    # a report written before sft_retry_share existed trained without retries, as the default does
+    settings = json.loads((seed_dir / "seed_report.json").read_text())["settings"]
+    del settings["sft_retry_share"]
+    (seed_dir / "seed_report.json").write_text(json.dumps({"settings": settings}))
+    assert reused_sft(seed_dir, now, task)["steps"] == 24
+    with pytest.raises(ValueError, match="sft_retry_share"):
+        reused_sft(seed_dir, SeedSettings(sft_examples=48, sft_retry_share=0.5), task)
+
+
+def test_retry_and_response_budget_flags():
+    from experiments.routing import SeedSettings, build_parser
+
+    args = build_parser().parse_args(["--sft-retry-share", "0.5", "--max-response-tokens", "144"])
+    assert (args.sft_retry_share, args.max_response_tokens) == (0.5, 144)
+    # the defaults keep what make demo and the slow test ran before: no retries, the config's 96 tokens
+    assert (SeedSettings().sft_retry_share, SeedSettings().max_response_tokens) == (0.0, 96)
 
 
 def test_sft_modes_weight_the_draw_and_reject_typos(world):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.sft import (balanced_order, build_parser, golden_examples, grouped_order, lr_factor,
-                             masked_cross_entropy, run_sft, with_search_modes)
+                             masked_cross_entropy, run_sft, with_retried_searches, with_search_modes)
 from raggym.protocol import DIALECT_NAMES as DIALECTS
 
 
@@ -257,6 +257,45 @@ def test_rotated_modes_give_every_step_each_listed_mode_once():
     rotations = [[s["mode"] for s in with_search_modes([q], ("passage", "passage", "graph"), rotation=r)[0].golden_trajectory]
                  for r in range(3)]
     assert rotations == [["passage", "passage", "graph"], ["passage", "graph", "passage"], ["graph", "passage", "passage"]]
+
+
+def test_retried_searches_repeat_one_step_right_after_itself(small_world):
+    qs = small_world.questions[:40]
+    assert with_retried_searches(qs, 0.0) == qs
+    for q, again in zip(qs, with_retried_searches(qs, 1.0, seed=3)):
+        steps, repeated = list(q.golden_trajectory), list(again.golden_trajectory)
+        [i] = [k for k, step in enumerate(repeated) if step.get("retry")]
+        assert i >= 1 and repeated[i] == {**repeated[i - 1], "retry": True}
+        assert repeated[:i] + repeated[i + 1:] == steps  # nothing else changed
+    some = with_retried_searches(qs, 0.5, seed=3)
+    assert 8 < sum(len(a.golden_trajectory) > len(q.golden_trajectory) for q, a in zip(qs, some)) < 32
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="retry share"):
+            with_retried_searches(qs, bad)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), share=st.floats(0.0, 1.0), order=st.permutations(range(12)))
+def test_retries_depend_only_on_seed_and_question(small_world, seed, share, order):
+    qs = small_world.questions[:12]
+    base = {q.id: q.golden_trajectory for q in with_retried_searches(qs, share, seed)}
+    shuffled = with_retried_searches([qs[i] for i in order], share, seed)
+    assert {q.id: q.golden_trajectory for q in shuffled} == base
+
+
+def test_a_retried_search_is_played_in_the_rotated_other_mode(small_world, small_world_retriever, tokenizer):
+    qs = [q for q in small_world.questions if q.kind == "bridge"][:3]
+    for rotation, first in ((0, "passage"), (1, "graph")):
+        examples = golden_examples(qs, small_world_retriever, "routerag", tokenizer, max_observation_tokens=24,
+                                   modes=("passage", "graph"), mode_rotation=rotation, retry_share=1.0,
+                                   mode_seed=2, show_progress=False)
+        for q, ex in zip(with_retried_searches(qs, 1.0, seed=2), examples):
+            i = next(k for k, step in enumerate(q.golden_trajectory) if step.get("retry"))
+            assert ex["num_searches"] == len(ex["modes"]) == q.hops + 1 and ex["reward"] == 1.0
+            assert ex["modes"][0] == first and ex["modes"][i] != ex["modes"][i - 1]
+            # the retry's reasoning names its query and says nothing of what the first search found
+            assert ex["text"].count("once more") == 1
+            assert f"Let me look up {q.golden_trajectory[i]['query']} once more." in ex["text"]
 
 
 def test_examples_record_their_modes_and_a_scheduled_balanced_run_logs_its_lr(small_world, small_world_retriever,
