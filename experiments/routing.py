@@ -594,8 +594,8 @@ def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | 
                          f"({report_path}, {summary_path}): {e}") from e
     wanted = {k: getattr(settings, k) for k in SFT_KEYS} | dict(task_key or {})
     # a setting added after the earlier run was written is read as its default, which that run used
-    defaults = vars(SeedSettings())
-    differing = {k: (earlier.get(k, defaults.get(k)), v) for k, v in wanted.items() if earlier.get(k, defaults.get(k)) != v}
+    earlier = {**vars(SeedSettings()), **earlier}
+    differing = {k: (earlier.get(k), v) for k, v in wanted.items() if earlier.get(k) != v}
     if differing:
         raise ValueError(f"--sft-from: {report_path} trained SFT with other settings "
                          f"(key: (earlier, now)): {differing}")
