@@ -28,6 +28,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_demo(sub):
+    from experiments.routing import SFT_MODE_SAMPLING, SFT_ORDERS
+    from experiments.sft import LR_SCHEDULES
+
     p = sub.add_parser("demo", help="the learning proof on the embedded default: routing task -> SFT -> RouteRAG GRPO stage 1 and 2 -> report",
                        description="Generate the routing task (questions that need graph retrieval and questions a passage "
                                    "search answers), build its index and graph, SFT SmolLM2-135M on golden episodes with "
@@ -41,17 +44,30 @@ def _add_demo(sub):
     p.add_argument("--questions", type=int, default=400, help="questions generated (default 400)")
     p.add_argument("--eval-questions", type=int, default=48, help="held-out questions evaluated at every stage (default 48)")
     p.add_argument("--policy", default="smollm2-135m", help="starting policy (model spec or HF dir)")
-    p.add_argument("--sft-examples", type=int, default=48, help="golden episodes for SFT (default 48)")
+    p.add_argument("--sft-examples", type=int, default=48,
+                   help="training questions written as golden episodes for SFT (default 48; under "
+                        "--sft-mode-sampling every, each is written once per mode: 96 episodes)")
     p.add_argument("--sft-epochs", type=int, default=1)
     p.add_argument("--sft-lr", type=float, default=2e-4)
     p.add_argument("--sft-batch", type=int, default=4)
-    p.add_argument("--sft-modes", default="passage,passage,passage,graph",
-                   help="search modes the SFT episodes draw from, uniformly (default: passage three times in four)")
+    p.add_argument("--sft-modes", default="passage,graph",
+                   help="search modes of the SFT episodes (default passage,graph: an even prior that is blind to "
+                        "the question; repeat a mode to weight it)")
+    p.add_argument("--sft-mode-sampling", default="every", choices=SFT_MODE_SAMPLING,
+                   help="every (default): each question once per listed mode; draw: one episode per question, "
+                        "its modes drawn from --sft-modes")
+    p.add_argument("--sft-order", default="per-question", choices=tuple(SFT_ORDERS),
+                   help="SFT batch order (default per-question: a question's episodes share a batch, so every "
+                        "batch holds the modes equally)")
+    p.add_argument("--sft-lr-schedule", default="linear", choices=LR_SCHEDULES,
+                   help="SFT learning rate over its steps (default linear decay to 0)")
     p.add_argument("--stage1-steps", type=int, default=5, help="GRPO steps of stage 1, reward EM (default 5)")
     p.add_argument("--stage2-steps", type=int, default=1, help="GRPO steps of stage 2, EM + efficiency (default 1)")
     p.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step (default 4)")
     p.add_argument("--group-size", type=int, default=4, help="episodes per question, G (default 4)")
     p.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml, 2e-5)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="RL rollout temperature (default 0.7; the learner divides its logits by the same value)")
     p.add_argument("--world-only", action="store_true", help="only build a multi-hop world and print its statistics")
     p.add_argument("--world-out", default=None, help="with --world-only: also write the world's files here")
     p.add_argument("--json", action="store_true", help="print the summary (or world statistics) as one JSON object")

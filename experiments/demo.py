@@ -4,10 +4,11 @@
    questions that a passage search answers, and ``graph_only`` ones (a person's facts, stated only
    in a biography that never names the person) that only graph retrieval reaches; build the dense
    index and the knowledge graph and measure each mode's recall@k on the held-out questions;
-2. SFT of SmolLM2-135M on golden episodes whose search mode is drawn at random (passage three
-   times in four), so it learns the format but not when to use which mode;
-3. RouteRAG GRPO on local Ray: stage 1 (reward = EM), then stage 2 (EM + batch-centred efficiency
-   over the retriever's deterministic cost);
+2. SFT of SmolLM2-135M on golden episodes of 48 training questions, each written once with a
+   passage search and once with a graph search (an even mode prior, blind to the question), so it
+   learns the format but not when to use which mode;
+3. RouteRAG GRPO on local Ray at rollout temperature 0.7: stage 1 (reward = EM), then stage 2
+   (EM + batch-centred efficiency over the retriever's deterministic cost);
 4. after SFT, after stage 1 and after stage 2: greedy evaluation on the held-out questions, and
    the policy's graph preference read from its logits at the mode slot of held-out questions
    (``experiments.routing.graph_preference``);
@@ -45,9 +46,10 @@ def run_demo(args) -> int:
 def run_pipeline(args) -> int:
     from actors.cluster import init_ray
     from experiments.report import write_report
-    from experiments.routing import EVAL_KWARGS, SeedSettings, build_task, plot, recall_by_mode, rl_effect, run_seed, summarise
+    from experiments.routing import EVAL_KWARGS, build_task, plot, recall_by_mode, rl_effect, run_seed, summarise
     from raggym.retrieval import Retriever
 
+    settings = demo_settings(args)  # a bad setting fails here, before --out is touched
     quiet = bool(args.json)
     started = time.perf_counter()
     out = Path(args.out or "runs/demo")
@@ -66,11 +68,6 @@ def run_pipeline(args) -> int:
 
     # 2.-4. SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval ----------------------
     init_ray(num_cpus=8)  # stays up for the evaluations and training below; ends with the process
-    settings = SeedSettings(sft_examples=args.sft_examples, sft_epochs=args.sft_epochs, sft_lr=args.sft_lr,
-                            sft_batch=args.sft_batch, sft_modes=args.sft_modes, stage1_steps=args.stage1_steps,
-                            stage2_steps=args.stage2_steps, prompts_per_step=args.prompts_per_step,
-                            group_size=args.group_size, lr=args.rl_lr, eval_samples=0, policy=args.policy,
-                            overrides=tuple(args.overrides))
     run = run_seed(task, args.seed, out, settings, {**EVAL_KWARGS, "show_progress": not quiet}, show_progress=not quiet)
     timings.update(run["seconds"])
 
@@ -81,10 +78,12 @@ def run_pipeline(args) -> int:
     meta = {"title": "raggym demo: RL teaches SmolLM2-135M when to search the graph (routing task, CPU)",
             "policy": args.policy, "task": f"routing, seed {args.seed}, {args.entities} entities",
             "train questions": len(task.train), "held-out questions": len(task.heldout),
-            "SFT": f"{run['sft']['examples']} golden episodes, search modes drawn from {settings.sft_modes}, "
-                   f"{run['sft']['steps']} steps, loss {run['sft']['loss_first']:.3f} -> {run['sft']['loss_last']:.3f}",
+            "SFT": f"{run['sft']['examples']} golden episodes ({settings.sft_examples} questions, search modes "
+                   f"{settings.sft_modes}, {settings.sft_mode_sampling}), {run['sft']['steps']} steps, "
+                   f"loss {run['sft']['loss_first']:.3f} -> {run['sft']['loss_last']:.3f}",
             "GRPO": f"stage 1 (EM) {settings.stage1_steps} steps, stage 2 (EM + efficiency, deterministic cost) "
-                    f"{settings.stage2_steps} steps, {settings.prompts_per_step} prompts x G={settings.group_size}",
+                    f"{settings.stage2_steps} steps, {settings.prompts_per_step} prompts x G={settings.group_size}, "
+                    f"rollout temperature {args.temperature}",
             "seconds": timings}
     images = plot(out, [run], settings.stage1_steps)
     report = write_report(out, evaluations=list(run["results"].items()), train_metrics=run["train_metrics"],
@@ -102,6 +101,21 @@ def run_pipeline(args) -> int:
             print(f"[demo] RL effect, {e['question_type']} questions, {e['metric']} ({e['decoding']}): {_change(e)}")
         print(f"[demo] report: {out / 'report.md'} (JSON: {out / 'report.json'}, plots: {out / 'plots'})")
     return 0
+
+
+def demo_settings(args):
+    """The ``SeedSettings`` of ``raggym demo``'s arguments; the rollout temperature goes in as an
+    override of routing_grpo.yaml (before the user's own overrides, which win)."""
+    from experiments.routing import SeedSettings, sft_modes
+
+    sft_modes(args.sft_modes)
+    return SeedSettings(sft_examples=args.sft_examples, sft_epochs=args.sft_epochs, sft_lr=args.sft_lr,
+                        sft_batch=args.sft_batch, sft_modes=args.sft_modes, sft_mode_sampling=args.sft_mode_sampling,
+                        sft_order=args.sft_order, sft_lr_schedule=args.sft_lr_schedule,
+                        stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps,
+                        prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.rl_lr,
+                        eval_samples=0, policy=args.policy,
+                        overrides=(f"rollout.temperature={args.temperature}", *args.overrides))
 
 
 def _change(entry: dict) -> str:

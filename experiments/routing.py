@@ -313,13 +313,32 @@ class SeedSettings:
     overrides: tuple = ()  # extra key=value for the RL config
 
 
+def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, seed: int, out_dir: Path,
+                    eval_kwargs: dict, show_progress: bool = True) -> dict:
+    """SFT of ``s.policy`` on golden episodes of the first ``s.sft_examples`` training questions
+    whose search modes come from ``s.sft_modes`` (drawn, or every mode once per question), never
+    from the question type: the format, not the route. Returns ``run_sft``'s summary."""
+    from experiments.sft import golden_examples, run_sft
+
+    modes = sft_modes(s.sft_modes)
+    rotations = [None] if s.sft_mode_sampling == "draw" else range(len(modes))
+    examples = [ex for rotation in rotations
+                for ex in golden_examples(task.train[: s.sft_examples], retriever, "routerag", tokenizer,
+                                          corpus=task.corpus, top_k=eval_kwargs["top_k"],
+                                          max_observation_tokens=eval_kwargs["max_observation_tokens"],
+                                          modes=modes, mode_seed=seed, mode_rotation=rotation,
+                                          retry_share=s.sft_retry_share, show_progress=show_progress)]
+    return run_sft(s.policy, examples, out_dir, epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
+                   lr_schedule=s.sft_lr_schedule, epoch_order=SFT_ORDERS[s.sft_order], seed=seed,
+                   show_progress=show_progress)
+
+
 def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwargs: dict, show_progress: bool = True,
              task_key: dict | None = None) -> dict:
     """SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval, for one seed.
 
     With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
     ``task_key`` must match the earlier seed's task settings)."""
-    from experiments.sft import golden_examples, run_sft
     from experiments.train import load_config, train
     from experiments.report import read_jsonl
     from raggym.models import load_policy_tokenizer
@@ -334,17 +353,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     if s.sft_from:
         sft = reused_sft(Path(s.sft_from) / f"seed{seed}", s, task_key)
     else:
-        modes = sft_modes(s.sft_modes)
-        rotations = [None] if s.sft_mode_sampling == "draw" else range(len(modes))
-        examples = [ex for rotation in rotations
-                    for ex in golden_examples(task.train[: s.sft_examples], retriever, "routerag", tokenizer,
-                                              corpus=task.corpus, top_k=eval_kwargs["top_k"],
-                                              max_observation_tokens=eval_kwargs["max_observation_tokens"],
-                                              modes=modes, mode_seed=seed, mode_rotation=rotation,
-                                              retry_share=s.sft_retry_share, show_progress=show_progress)]
-        sft = run_sft(policy, examples, out / "sft", epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
-                      lr_schedule=s.sft_lr_schedule, epoch_order=SFT_ORDERS[s.sft_order],
-                      seed=seed, show_progress=show_progress)
+        sft = format_only_sft(task, retriever, tokenizer, s, seed, out / "sft", eval_kwargs, show_progress)
         timings["sft"] = round(time.perf_counter() - t0, 1)
     evals, sampled, results = {}, {}, {}
     probes = mode_probes(task, retriever, tokenizer, eval_kwargs)

@@ -39,6 +39,33 @@ def test_demo_json_reports_world_statistics(capsys):
     assert stats["example_questions"]
 
 
+def test_demo_defaults_are_the_measured_routing_settings():
+    """make demo runs what docs/results.md measured on three seeds: an even, question-blind SFT mode
+    prior written once per mode, and RL rollouts at temperature 0.7 (a user's override still wins)."""
+    from experiments.demo import demo_settings
+
+    settings = demo_settings(build_parser().parse_args(["demo"]))
+    assert (settings.sft_modes, settings.sft_mode_sampling, settings.sft_order, settings.sft_lr_schedule) == (
+        "passage,graph", "every", "per-question", "linear")
+    assert (settings.stage1_steps, settings.stage2_steps, settings.eval_samples) == (5, 1, 0)
+    assert settings.overrides == ("rollout.temperature=0.7",)
+    settings = demo_settings(build_parser().parse_args(["demo", "--temperature", "1", "rollout.temperature=0.9"]))
+    assert settings.overrides == ("rollout.temperature=1.0", "rollout.temperature=0.9")  # the last one is applied
+
+
+def test_demo_refuses_a_bad_sft_choice_in_one_line_and_leaves_out_alone(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["demo", "--sft-order", "alphabetical"])
+    assert exc.value.code == 2
+    assert "--sft-order" in capsys.readouterr().err
+    earlier = tmp_path / "earlier_demo"
+    (earlier / "report.md").parent.mkdir()
+    (earlier / "report.md").write_text("an earlier run's report")
+    assert main(["demo", "--sft-modes", "passage,telepathy", "--out", str(earlier)]) == 2
+    assert "telepathy" in capsys.readouterr().err
+    assert (earlier / "report.md").read_text() == "an earlier run's report"  # not replaced by a run that cannot start
+
+
 def test_synth_writes_loadable_files(tmp_path, capsys):
     assert main(["synth", "--out", str(tmp_path / "w"), "--entities", "120", "--questions", "10", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
