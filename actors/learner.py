@@ -29,6 +29,9 @@ Batch format (``TrainBatch``, a dict of tensors, sequences right-padded to one l
     teacher_positions       [N, T]   long: index in the teacher sequence of student token t, or −1
     teacher_kl_mask         [N, T]   1 on think and query tokens (``spans.teacher_kl_mask_from_labels``)
     evidence_overlap        [N]      EO of each trajectory
+    # the mode entropy bonus (only when loss.mode_entropy_coef > 0):
+    mode_choice_mask        [N, T]   1 on the tokens that chose a search's retrieval mode
+                                     (``raggym.algorithms.batch.mode_choice_mask``)
 
 Every per-token tensor is aligned to ``token_ids``: entry ``t`` is about token ``t``, predicted
 from the logits at ``t − 1``; position 0 is never trained. ``make_train_batch`` builds one from
@@ -39,7 +42,7 @@ Update schedule (one ``update`` call = one policy version)::
     for epoch in range(ppo_epochs):                              # PPO epochs
         for mini-batch of mini_batch_size sequences (global):     # one optimizer step each
             for micro-batch of micro_batch_size (per rank):       # gradient accumulation
-                loss = weight · [clipped PG + β·KL(π‖π_ref) − c_H·H] (+ teacher KL)
+                loss = weight · [clipped PG + β·KL(π‖π_ref) − c_H·H − c_M·H_mode] (+ teacher KL)
                 engine.backward(loss); engine.step()              # steps at the GA boundary
 
 ``weight`` makes the accumulated, data-parallel-averaged gradient equal the gradient of the
@@ -129,6 +132,10 @@ class PolicyLossConfig:
     kl_coef: float = 0.0  # β of the KL-to-reference loss term (GRPO: 0.001–0.04)
     kl_kind: str = "low_var_kl"  # k1 | abs | k2 | k3 (= low_var_kl)
     entropy_coef: float = 0.0  # c_H; the entropy is always logged
+    # c_M: an entropy bonus at the tokens where the agent chose a search's retrieval mode only
+    # (the batch's ``mode_choice_mask``), aggregated like the PG term (a mode token weighs what
+    # any trained token does), so exploration of the route is kept without flattening the rest
+    mode_entropy_coef: float = 0.0
     teacher_kl: bool = False  # PathRouter selective teacher KL
     teacher_top_k: int = 128
     evidence_threshold: float = 0.1  # θ_P
@@ -678,7 +685,7 @@ class Learner:
         # entries' logits are the distributions their tokens were drawn from.
         head_stats = head_token_stats(
             hidden, output_head(self.engine), packed.targets, self.config.temperature, self.config.logit_chunk_size,
-            entropy=True, entropy_grad=lc.entropy_coef > 0, num_chunks=self._head_chunks(hidden.shape[0]), **teacher,
+            entropy=True, entropy_grad=lc.entropy_coef > 0 or lc.mode_entropy_coef > 0, num_chunks=self._head_chunks(hidden.shape[0]), **teacher,
         )
         log_probs = packed.scatter(head_stats.logprobs)  # log softmax(z / T) at the sampled tokens
         # Without old log-probs the weights have not moved since the rollout (first mini-batch of
@@ -698,10 +705,19 @@ class Learner:
             kl = kl_loss(log_probs, ref, mask, kind=lc.kl_kind, aggregation=lc.aggregation)
             loss = loss + lc.kl_coef * kl  # + β·KL(π_θ ‖ π_ref)
             stats["kl_loss"] = kl.item()
-        entropy = aggregate_loss(packed.scatter(head_stats.entropy), mask, lc.aggregation)
+        token_entropy = packed.scatter(head_stats.entropy)
+        entropy = aggregate_loss(token_entropy, mask, lc.aggregation)
         if lc.entropy_coef > 0:
             loss = loss - lc.entropy_coef * entropy  # − c_H·H
         stats["entropy"] = entropy.item()
+        if lc.mode_entropy_coef > 0:
+            choice = mb["mode_choice_mask"].to(self.device, torch.float32) * mask
+            # H_mode: the entropy at mode-choice tokens, every other trained token counting 0
+            mode_entropy = aggregate_loss(token_entropy * choice, mask, lc.aggregation)
+            loss = loss - lc.mode_entropy_coef * mode_entropy  # − c_M·H_mode
+            stats["mode_entropy_term"] = mode_entropy.item()
+            # summed here, divided in ``update``: the log's mean entropy of the choices themselves
+            stats.update(mode_entropy_sum=float((token_entropy.detach() * choice).sum()), mode_choices=float(choice.sum()))
         stats["loss"] = loss.item()
         loss = loss * weight
         if lc.teacher_kl:
@@ -765,6 +781,8 @@ class Learner:
             lacking = [k for k in _TEACHER if k not in batch]
             if lacking:
                 raise KeyError(f"teacher KL is on but the batch lacks {lacking}")
+        if cfg.loss.mode_entropy_coef > 0 and "mode_choice_mask" not in batch:
+            raise KeyError("loss.mode_entropy_coef > 0 but the batch lacks 'mode_choice_mask'")
         step = self.version if step is None else int(step)
         n = batch_size_of(batch)
         per_rank = cfg.mini_batch_size // self.world_size
@@ -811,7 +829,7 @@ class Learner:
         self.engine.train()
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version * 1009 + self.rank)
         per_mini: list[dict[str, float]] = []  # loss-weighted stats of each mini-batch
-        teacher_kl_sum = teacher_trajectories = 0.0
+        teacher_kl_sum = teacher_trajectories = mode_entropy_sum = mode_choices = 0.0
         grad_norms: list[float] = []
         tokens = micro_batches = 0
         for epoch in range(cfg.ppo_epochs):
@@ -880,6 +898,8 @@ class Learner:
                     teacher_kl_sum += stats.pop("teacher_kl", 0.0) * n_traj
                     teacher_trajectories += n_traj
                     teacher_loss = stats.pop("teacher_loss", None)
+                    mode_entropy_sum += stats.pop("mode_entropy_sum", 0.0)
+                    mode_choices += stats.pop("mode_choices", 0.0)
                     # Weighted like the loss, so that after averaging over ranks each stat is the
                     # mini-batch value, independent of how it was split into micro-batches.
                     for k, v in stats.items():
@@ -895,6 +915,9 @@ class Learner:
         self.version += 1
         metrics = {k: sum(m[k] for m in per_mini) / len(per_mini) for k in per_mini[0]}
         metrics.update(drift)
+        if cfg.loss.mode_entropy_coef > 0:
+            metrics.update(mode_entropy=mode_entropy_sum / mode_choices if mode_choices else float("nan"),
+                           mode_choices=mode_choices / cfg.ppo_epochs)
         if cfg.loss.teacher_kl:
             metrics["teacher_kl"] = teacher_kl_sum / teacher_trajectories if teacher_trajectories else 0.0
             metrics["teacher_kl_trajectories"] = teacher_trajectories / cfg.ppo_epochs

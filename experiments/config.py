@@ -206,6 +206,11 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     loss = (c["learner"] or {}).get("loss") or {}
     if loss.get("teacher_kl") and method == "r1_router":
         errs.append(("learner.loss.teacher_kl", "the teacher KL reads single-transcript episodes; R1-Router has none"))
+    if float(loss.get("mode_entropy_coef") or 0.0) < 0:
+        errs.append(("learner.loss.mode_entropy_coef", "must be non-negative (it is a bonus)"))
+    elif float(loss.get("mode_entropy_coef") or 0.0) > 0 and not _names_modes(env_id):
+        errs.append(("learner.loss.mode_entropy_coef", f"{env_id}'s searches name no retrieval mode for the bonus to "
+                                                       "act on (RouteRAG's do)"))
     if method == "lws" and c["reward"].get("stage2_start") is None:
         errs.append(("reward.stage2_start", "is required for lws"))
     if method == "graphrag_r1" and c["reward"].get("phase3_start") is None:
@@ -228,6 +233,15 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     if ev["every"] < 0 or ev["questions"] < 0:
         errs.append(("eval.every", "eval.every and eval.questions must be non-negative"))
     return errs
+
+
+def _names_modes(env_id: str) -> bool:
+    """Whether the env's dialect writes a retrieval mode in each search (``Dialect.mode_slot``)."""
+    import envs
+    from raggym.protocol import get_dialect
+
+    dialect = envs.SEARCH_ENV_IDS.get(env_id)
+    return bool(dialect and get_dialect(dialect).mode_slot)
 
 
 # ----------------------------------------------------------------------------- merging and reporting

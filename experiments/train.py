@@ -29,7 +29,8 @@ import torch
 from experiments.config import ConfigError, load_config, to_plain, validate_config
 from experiments.training import (episode_requests, golden_steps_for, latest_checkpoint, load_run_data,
                                   open_run_storage, restore_checkpoint, reward_schedule, round_seed_index,
-                                  sampling_params, save_checkpoint, sft_cold_start, step_metrics, dump_rollouts)
+                                  sampling_params, save_checkpoint, sft_cold_start, step_metrics, dump_rollouts,
+                                  mode_choice_slot)
 
 
 def train(cfg) -> dict:
@@ -44,7 +45,7 @@ def train(cfg) -> dict:
     from experiments.evaluate import evaluate_episodes
     from experiments.runtime import bound_staleness, learner_config, make_runtime, takes_knowledge_bases
     from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
-    from raggym.algorithms.batch import assemble_batch, teacher_fields
+    from raggym.algorithms.batch import assemble_batch, mode_choice_fields, teacher_fields
     from raggym.data.sampler import PromptSampler
     from raggym.learning_log import MetricsLogger
 
@@ -65,6 +66,7 @@ def train(cfg) -> dict:
     if cfg.reward.method == "pathrouter":  # the routes use the reward's own C and P thresholds
         adv.update({k: cfg.reward[k] for k in ("correct_f1_threshold", "evidence_threshold") if k in cfg.reward})
     teacher_kl = bool((cfg.learner.get("loss") or {}).get("teacher_kl"))
+    mode_slot = mode_choice_slot(cfg)  # where a search names its mode, for the mode entropy bonus
     eval_every, eval_kwargs = int(cfg.eval.every), {**to_plain(cfg.env.kwargs), **to_plain(cfg.eval.env_kwargs)}
 
     data = load_run_data(cfg, storage, multi_kb=takes_knowledge_bases(cfg.env.id))
@@ -132,7 +134,9 @@ def train(cfg) -> dict:
             # 5. update, 6. sync (skipped when dynamic sampling kept no group with a learning signal)
             t2 = t3 = time.perf_counter()
             if kept:
-                extra = teacher_fields(kept, rt.tokenizer, int(cfg.rollout.max_observation_tokens)) if teacher_kl else None
+                extra = teacher_fields(kept, rt.tokenizer, int(cfg.rollout.max_observation_tokens)) if teacher_kl else {}
+                if mode_slot:
+                    extra.update(mode_choice_fields(kept, rt.tokenizer, mode_slot))
                 batch, fillers = assemble_batch(kept, advantages.tolist(), int(rt.tokenizer.pad_token_id), mini_batch, extra)
                 learned = rt.learners.update(batch, step)                                          # 5. update
                 t2 = time.perf_counter()

@@ -108,6 +108,18 @@ def load_run_data(cfg, out_dir, *, multi_kb: bool = False) -> RunData:
     return RunData(corpus, questions[: len(questions) - n], questions[len(questions) - n:], index_dirs)
 
 
+def mode_choice_slot(cfg) -> str | None:
+    """The dialect's ``mode_slot`` pattern when ``learner.loss.mode_entropy_coef`` is on, else
+    None: where the recipe marks each rollout's mode-choice tokens for the learner
+    (``validate_config`` has checked that the env's dialect has one)."""
+    if float(((cfg.learner or {}).get("loss") or {}).get("mode_entropy_coef") or 0.0) <= 0:
+        return None
+    import envs
+    from raggym.protocol import get_dialect
+
+    return get_dialect(envs.SEARCH_ENV_IDS[cfg.env.id]).mode_slot
+
+
 # ----------------------------------------------------------------------------- rollout requests
 
 

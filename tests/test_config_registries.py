@@ -4,6 +4,8 @@ configs built in Python and edited configs are checked like loaded ones."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gymnasium
 import pytest
 
@@ -150,3 +152,13 @@ def test_configs_built_in_python_or_edited_are_checked_like_loaded_ones():
         validate_config(cfg)
     with pytest.raises(ConfigError, match=r"config: unknown config key 'policy.name'"):
         validate_config({"policy": {"name": "x"}})
+
+
+def test_the_mode_entropy_bonus_needs_searches_that_name_a_mode():
+    configs = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+    on = ["learner.loss.mode_entropy_coef=1.0"]
+    assert load_config(str(configs / "routerag_tiny.yaml"), on).learner.loss.mode_entropy_coef == 1.0
+    with pytest.raises(ConfigError, match=r"learner.loss.mode_entropy_coef: raggym/SearchR1-v0's searches name no retrieval mode"):
+        load_config(str(configs / "search_r1_tiny.yaml"), on)
+    with pytest.raises(ConfigError, match=r"learner.loss.mode_entropy_coef: must be non-negative"):
+        load_config(str(configs / "routerag_tiny.yaml"), ["learner.loss.mode_entropy_coef=-0.1"])

@@ -621,3 +621,44 @@ def test_dual_clip_reaches_the_learners_loss(tiny_model):
     dual = run_update(speed_config(tiny_model, **common, loss={"clip_low": 0.2, "dual_clip": True, "clip_ratio_c": 1.5}), batch)
     assert dual[0]["clip_fraction_lower"] > 0
     assert dual[0]["pg_loss"] < plain[0]["pg_loss"]  # capping a loss term can only lower it
+
+
+# ----------------------------------------------------------------------------- mode entropy bonus
+
+
+def _choice_entropies(model_path: str, batch, marks) -> list[float]:
+    """Entropy of the tiny model's distribution for each marked token, from a plain forward."""
+    from transformers import AutoModelForCausalLM
+
+    from raggym.algorithms.losses import entropy_from_logits
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["token_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    entropy = entropy_from_logits(logits)  # entry t − 1 is the distribution token t was drawn from
+    return [float(entropy[row, t - 1]) for row, t in marks]
+
+
+def test_mode_entropy_bonus_is_the_choices_entropy_over_the_trained_tokens(tiny_model, batch, tmp_path):
+    marks = [(0, PROMPT + 2), (1, PROMPT + 5), (2, PROMPT + 2)]  # row 3 chose no mode
+    b = dict(batch, advantages=torch.zeros(len(LENGTHS)), mode_choice_mask=torch.zeros_like(batch["loss_mask"]))
+    for row, t in marks:
+        b["mode_choice_mask"][row, t] = 1.0
+    before = _choice_entropies(tiny_model, b, marks)
+    coef = 0.5
+    learner = Learner({**_direction_config(tiny_model, 1e-3), "loss": {"clip_low": 0.2, "mode_entropy_coef": coef}})
+    metrics = learner.update(dict(b))
+    trained = sum(length - PROMPT for length in LENGTHS)  # token-mean: every trained token counts
+    # L = PG − c_M · Σ_choices H / Σ_trained 1, with PG = 0 (zero advantages)
+    assert metrics["pg_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["mode_entropy_term"] == pytest.approx(sum(before) / trained, rel=1e-4)
+    assert metrics["loss"] == pytest.approx(-coef * sum(before) / trained, rel=1e-4)
+    assert metrics["mode_entropy"] == pytest.approx(sum(before) / len(marks), rel=1e-4)
+    assert metrics["mode_choices"] == len(marks)
+    learner.save_checkpoint(str(tmp_path), policy=True)
+    after = _choice_entropies(str(tmp_path / "policy"), b, marks)
+    assert sum(after) > sum(before) + 1e-3, (before, after)  # the bonus spreads the choices out
+    with pytest.raises(KeyError, match="mode_choice_mask"):
+        learner.update({k: v for k, v in b.items() if k != "mode_choice_mask"})
+    del learner
+    gc.collect()

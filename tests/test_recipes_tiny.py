@@ -90,11 +90,22 @@ def check_learner_step(cfg, record, lines):
 
 
 def test_routerag_tiny_step(tiny_random_policy, index_root, tmp_path):
-    cfg, record, lines = run_one_step("routerag", tiny_random_policy, index_root, tmp_path / "routerag")
+    from raggym.algorithms.batch import mode_choice_mask
+    from raggym.models import load_policy_tokenizer
+    from raggym.protocol import get_dialect
+    from raggym.trajectory import Rollout
+
+    cfg, record, lines = run_one_step("routerag", tiny_random_policy, index_root, tmp_path / "routerag",
+                                      "learner.loss.mode_entropy_coef=1.0")
     assert record["stage"] == "stage1"  # stage2_start: 1, so step 0 scores EM alone
     check_rewards_and_advantages(cfg, record, lines)
     check_learner_step(cfg, record, lines)
     assert "learner/kl_loss" in record  # kl_coef 0.001 against the frozen reference
+    # the mode entropy bonus saw every mode the rollouts' searches named, and nothing else
+    tokenizer, slot = load_policy_tokenizer(tiny_random_policy), get_dialect("routerag").mode_slot
+    named = sum(sum(mode_choice_mask(Rollout(token_ids=ln["token_ids"], loss_mask=ln["loss_mask"]), tokenizer, slot))
+                for ln in lines)
+    assert record["learner/mode_choices"] == named
 
 
 def test_search_r1_tiny_step(tiny_random_policy, index_root, tmp_path):

@@ -6,6 +6,7 @@ Pure functions of token lists and tensors (no model, no Ray). The batch format i
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import numpy as np
@@ -72,10 +73,50 @@ def assemble_batch(rollouts: Sequence, advantages: Sequence[float], pad_token_id
     pad = (-n) % max(1, multiple)
     if pad:
         batch = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:]).clone()]) for k, v in batch.items()}
-        for key in ("loss_mask", "advantages", "teacher_kl_mask"):
+        for key in ("loss_mask", "advantages", "teacher_kl_mask", "mode_choice_mask"):
             if key in batch:
                 batch[key][n:] = 0
     return batch, pad
+
+
+def _model_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each maximal run of model-written tokens (loss mask 1)."""
+    runs, start = [], None
+    for i, m in enumerate(list(loss_mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def mode_choice_mask(rollout, tokenizer, slot_pattern: str) -> list[float]:
+    """1.0 on each token where the model chose a search's retrieval mode, 0.0 elsewhere.
+
+    The choice is the token holding the first character after a match of ``slot_pattern`` (a
+    dialect's ``mode_slot``; RouteRAG's marks the ``graph`` of ``<search> [graph]``) in text the
+    model wrote. A match in the prompt or in an observation is not the model's choice and is
+    never marked; a slot the model left unfinished marks nothing.
+    """
+    from raggym.trajectory import token_char_offsets
+
+    slot = re.compile(slot_pattern)
+    mask = [0.0] * len(rollout.token_ids)
+    for start, end in _model_runs(rollout.loss_mask):
+        text, offsets = token_char_offsets(tokenizer, rollout.token_ids[start:end])
+        for match in slot.finditer(text):
+            chosen = next((j for j, (a, b) in enumerate(offsets) if a <= match.end() < b), None)
+            if chosen is not None:
+                mask[start + chosen] = 1.0
+    return mask
+
+
+def mode_choice_fields(rollouts: Sequence, tokenizer, slot_pattern: str) -> TrainBatch:
+    """``{"mode_choice_mask": [N, T]}`` for the learner's mode entropy bonus (``mode_choice_mask``
+    per rollout, right-padded like the other per-token fields)."""
+    rows = [mode_choice_mask(r, tokenizer, slot_pattern) for r in rollouts]
+    return {"mode_choice_mask": _pad_rows(rows, len(rows), max(len(r.token_ids) for r in rollouts), torch.float32)}
 
 
 def teacher_fields(rollouts: Sequence, tokenizer, max_evidence_tokens: int) -> TrainBatch:

@@ -77,6 +77,10 @@ class Dialect:
     # Retrieval modes a search may name; empty when the dialect has no mode syntax and the
     # environment's configured mode applies.
     modes: tuple[str, ...] = ()
+    # A regex whose match ends where the model writes a search's mode name (RouteRAG:
+    # "<search> [" before "graph]"); the token there is the agent's retrieval choice, which
+    # the learner's mode entropy bonus (``learner.loss.mode_entropy_coef``) acts on. Empty: none.
+    mode_slot: str = ""
     # Mode used for searches when the dialect has no mode syntax (an environment may override).
     default_mode: str = "passage"
     # Regex over block letters (see _BLOCK_LETTER) that a whole trajectory must match.

@@ -34,6 +34,7 @@ class RouteRAGDialect(Dialect):
     action_blocks = {"search": SEARCH, "answer": ANSWER}
     observation_block = "information"
     modes = ("passage", "graph", "hybrid")
+    mode_slot = r"<search>\s*\["
     trajectory_pattern = r"(?:tTsSiI)*tTaA"
 
     def _parse_search(self, content: str):
