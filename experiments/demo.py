@@ -66,7 +66,7 @@ def run_pipeline(args) -> int:
     _say(f"routing task: {len(task.train)} training, {len(task.heldout)} held-out questions; recall@{EVAL_KWARGS['top_k']} "
          + "; ".join(f"{kind}: passage {r['passage_recall']:.2f}, graph {r['graph_recall']:.2f}" for kind, r in recall.items()), quiet)
 
-    # 2.-4. SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval ----------------------
+    # 2.-4. format-only SFT (no mode by question type) -> eval -> stage 1 -> eval -> stage 2 -> eval ----
     init_ray(num_cpus=8)  # stays up for the evaluations and training below; ends with the process
     run = run_seed(task, args.seed, out, settings, {**EVAL_KWARGS, "show_progress": not quiet}, show_progress=not quiet)
     timings.update(run["seconds"])

@@ -18,6 +18,15 @@ A ratio near 1 means the types cannot be moved apart by the updates RL makes on 
 the reward must push the two types in opposite directions with nearly equal weight in the same
 batch before the differential part acts.
 
+``--split-steps N`` then measures how learnable the split is at all (``supervised_split``): from
+each policy, N AdamW steps on the cleanest signal RL could give the mode slot, every step a
+type-balanced batch of training-question prefixes whose target is the right mode for their type
+(graph for ``graph_only``, passage for ``direct``): loss = mean of −log σ(y·z), y = ±1. After each
+step, the held-out probes' mean p(graph) per type and the routing accuracy (the share of held-out
+probes whose more likely mode is their type's right one: what greedy decoding would route). RL
+sees this signal only through sampled, noisy advantages, so the steps this needs are a lower bound
+on the RL steps that could split the route at that learning rate.
+
     python -m experiments.mode_gradients --task /tmp/routing --heldout 48 POLICY [POLICY ...]
 
 ``--task`` is an ``experiments.routing --out`` folder (its world and index are reused, with the
@@ -94,6 +103,58 @@ def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]]) -> 
             "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
 
 
+def routing_accuracy(p_graph: dict[str, list[float]]) -> float:
+    """Share of probes whose more likely mode is their type's right one (graph for ``graph_only``)."""
+    right = [p > 0.5 for p in p_graph[REWARDED]] + [p < 0.5 for p in p_graph[OTHER]]
+    return sum(right) / len(right)
+
+
+def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], heldout_probes: dict[str, list[dict]],
+                     steps: int, lr: float, per_type: int, seed: int = 0) -> list[dict]:
+    """``steps`` AdamW steps on −log σ(y·z) over ``per_type`` training prefixes of each type per
+    step (y = +1 for ``graph_only``, −1 for ``direct``; cycling through shuffled probes); one
+    record per step, step 0 the policy as given: the held-out mean p(graph) per type and
+    ``routing_accuracy``."""
+    import random
+
+    import torch
+    import torch.nn.functional as F
+
+    from experiments.routing import graph_preference, mode_logit, mode_slot_tokens
+
+    if steps < 1 or per_type < 1:
+        raise ValueError("--split-steps and --split-batch must be at least 1")
+    slot, continuations = mode_slot_tokens(tokenizer)
+    target = {REWARDED: 1.0, OTHER: -1.0}
+    rng = random.Random(seed)
+    queues = {kind: [] for kind in target}
+
+    def next_examples(kind: str) -> list[dict]:
+        out = []
+        while len(out) < per_type:
+            if not queues[kind]:
+                queues[kind] = rng.sample(train_probes[kind], len(train_probes[kind]))
+            out.append(queues[kind].pop())
+        return out
+
+    def measure(step: int) -> dict:
+        p = {kind: graph_preference(model, tokenizer, heldout_probes[kind]) for kind in target}
+        return {"step": step, "p_graph": {k: statistics.fmean(v) for k, v in p.items()},
+                "routing_accuracy": routing_accuracy(p)}
+
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, weight_decay=0.01)
+    records = [measure(0)]
+    for step in range(1, steps + 1):
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        batch = [(ex, target[kind]) for kind in target for ex in next_examples(kind)]
+        for example, y in batch:  # −log σ(y·z) = softplus(−y·z), averaged over the batch
+            (F.softplus(-y * mode_logit(model, example, slot, continuations)) / len(batch)).backward()
+        optimizer.step()
+        records.append(measure(step))
+    return records
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.mode_gradients", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", required=True, help="an experiments.routing --out folder")
@@ -103,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", type=int, default=64)
     p.add_argument("--per-type", type=int, default=16, help="held-out probes per question type")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--split-steps", type=int, default=0,
+                   help="then train each policy this many steps on the type-right mode (0: gradients only)")
+    p.add_argument("--split-lr", type=float, default=2e-5, help="AdamW learning rate of --split-steps")
+    p.add_argument("--split-batch", type=int, default=2, help="training prefixes per type in each --split-steps step")
+    p.add_argument("--train-per-type", type=int, default=32, help="training questions per type --split-steps cycles through")
     p.add_argument("policies", nargs="+", help="model spec, HF folder, checkpoint or run folder")
     return p
 
@@ -124,12 +190,18 @@ def main(argv=None) -> int:
     task = build_task(Path(args.task), seed=args.world_seed, entities=args.entities, questions=args.questions,
                       heldout=args.heldout, show_progress=False)
     tokenizer = load_policy_tokenizer("smollm2-135m")
-    probes = mode_probes(task, Retriever.load(task.index_dir), tokenizer, EVAL_KWARGS, per_type=args.per_type)
+    retriever = Retriever.load(task.index_dir)
+    probes = mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.per_type)
+    train_probes = mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.train_per_type, split="train")
     for spec in args.policies:
         started = time.perf_counter()
         model = load_policy(resolve_policy(spec))[0]
         result = mode_gradient_alignment(model, tokenizer, probes)
         print(json.dumps({"policy": spec, **result, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        if args.split_steps:
+            for record in supervised_split(model, tokenizer, train_probes, probes, args.split_steps, args.split_lr,
+                                           args.split_batch):
+                print(json.dumps({"policy": spec, "split_lr": args.split_lr, **record}), flush=True)
         del model
     return 0
 

@@ -209,15 +209,17 @@ def graph_preference(model, tokenizer, examples: list[dict]) -> list[float]:
         return [float(torch.sigmoid(mode_logit(model, ex, slot, continuations))) for ex in examples]
 
 
-def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_type: int = 16) -> dict[str, list[dict]]:
-    """Golden prefixes of the first ``per_type`` held-out questions of each type, for
-    ``graph_preference`` (the mode written in a probe's own search comes after the slot and is
-    never scored, so the cheap one is used)."""
+def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_type: int = 16,
+                split: str = "heldout") -> dict[str, list[dict]]:
+    """Golden prefixes of the first ``per_type`` questions of each type of ``split`` (``"heldout"``
+    or ``"train"``), for ``graph_preference`` (the mode written in a probe's own search comes after
+    the slot and is never scored, so the cheap one is used)."""
     from experiments.sft import golden_examples
 
+    pool = {"heldout": task.heldout, "train": task.train}[split]
     probes = {}
-    for kind in sorted({task.kinds[q.id] for q in task.heldout}):
-        questions = [q for q in task.heldout if task.kinds[q.id] == kind][:per_type]
+    for kind in sorted({task.kinds[q.id] for q in pool}):
+        questions = [q for q in pool if task.kinds[q.id] == kind][:per_type]
         probes[kind] = golden_examples(questions, retriever, "routerag", tokenizer, corpus=task.corpus,
                                        top_k=eval_kwargs["top_k"], max_observation_tokens=eval_kwargs["max_observation_tokens"],
                                        modes="passage", show_progress=False)
@@ -335,7 +337,7 @@ def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, se
 
 def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwargs: dict, show_progress: bool = True,
              task_key: dict | None = None) -> dict:
-    """SFT (random modes) -> eval -> stage 1 -> eval -> stage 2 -> eval, for one seed.
+    """Format-only SFT (no mode by question type) -> eval -> stage 1 -> eval -> stage 2 -> eval, for one seed.
 
     With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
     ``task_key`` must match the earlier seed's task settings)."""

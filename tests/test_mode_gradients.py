@@ -141,3 +141,31 @@ def test_cli_refuses_a_folder_that_is_not_a_routing_run(tmp_path, capsys):
         main(["--task", str(tmp_path), "smollm2-135m"])
     assert exit_info.value.code == 2
     assert "no world/ folder" in capsys.readouterr().err
+
+
+def test_routing_accuracy_by_hand():
+    from experiments.mode_gradients import routing_accuracy
+
+    # graph_only right when p(graph) > 0.5, direct right when < 0.5: right, wrong, right, wrong
+    assert routing_accuracy({"graph_only": [0.7, 0.4], "direct": [0.2, 0.6]}) == 0.5
+    assert routing_accuracy({"graph_only": [0.9], "direct": [0.1, 0.3]}) == 1.0
+
+
+def test_the_type_right_signal_splits_the_mode_slot(tiny):
+    """Trained on the type-right mode, the graph_only probes come to prefer the graph and the
+    direct ones passage; step 0 is the policy as given (a negated target or a dropped step fails)."""
+    import copy
+
+    from experiments.mode_gradients import supervised_split
+
+    model, tokenizer, probes = tiny
+    model = copy.deepcopy(model)  # the fixture's model stays untrained for the other tests
+    start = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
+    records = supervised_split(model, tokenizer, probes, probes, steps=30, lr=3e-3, per_type=2)
+    assert [r["step"] for r in records] == list(range(31))
+    assert records[0]["p_graph"] == pytest.approx({k: sum(v) / len(v) for k, v in start.items()})
+    assert records[0]["routing_accuracy"] == 0.5  # the random policy prefers the graph for all four
+    gap = [r["p_graph"]["graph_only"] - r["p_graph"]["direct"] for r in records]
+    assert records[-1]["routing_accuracy"] == 1.0 and gap[-1] > gap[0] + 0.5, gap
+    with pytest.raises(ValueError, match="at least 1"):
+        supervised_split(model, tokenizer, probes, probes, steps=0, lr=1e-3, per_type=2)
