@@ -110,11 +110,11 @@ def routing_accuracy(p_graph: dict[str, list[float]]) -> float:
 
 
 def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], heldout_probes: dict[str, list[dict]],
-                     steps: int, lr: float, per_type: int, seed: int = 0) -> list[dict]:
+                     steps: int, lr: float, per_type: int, seed: int = 0):
     """``steps`` AdamW steps on −log σ(y·z) over ``per_type`` training prefixes of each type per
-    step (y = +1 for ``graph_only``, −1 for ``direct``; cycling through shuffled probes); one
-    record per step, step 0 the policy as given: the held-out mean p(graph) per type and
-    ``routing_accuracy``."""
+    step (y = +1 for ``graph_only``, −1 for ``direct``; cycling through shuffled probes). Yields
+    one record per step as it is measured, step 0 the policy as given: the held-out mean p(graph)
+    per type and ``routing_accuracy``."""
     import random
 
     import torch
@@ -143,7 +143,7 @@ def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], held
                 "routing_accuracy": routing_accuracy(p)}
 
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, weight_decay=0.01)
-    records = [measure(0)]
+    yield measure(0)
     for step in range(1, steps + 1):
         model.train()
         optimizer.zero_grad(set_to_none=True)
@@ -151,8 +151,7 @@ def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], held
         for example, y in batch:  # −log σ(y·z) = softplus(−y·z), averaged over the batch
             (F.softplus(-y * mode_logit(model, example, slot, continuations)) / len(batch)).backward()
         optimizer.step()
-        records.append(measure(step))
-    return records
+        yield measure(step)
 
 
 def build_parser() -> argparse.ArgumentParser:

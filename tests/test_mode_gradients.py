@@ -161,11 +161,11 @@ def test_the_type_right_signal_splits_the_mode_slot(tiny):
     model, tokenizer, probes = tiny
     model = copy.deepcopy(model)  # the fixture's model stays untrained for the other tests
     start = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
-    records = supervised_split(model, tokenizer, probes, probes, steps=30, lr=3e-3, per_type=2)
+    records = list(supervised_split(model, tokenizer, probes, probes, steps=30, lr=3e-3, per_type=2))
     assert [r["step"] for r in records] == list(range(31))
     assert records[0]["p_graph"] == pytest.approx({k: sum(v) / len(v) for k, v in start.items()})
     assert records[0]["routing_accuracy"] == 0.5  # the random policy prefers the graph for all four
     gap = [r["p_graph"]["graph_only"] - r["p_graph"]["direct"] for r in records]
     assert records[-1]["routing_accuracy"] == 1.0 and gap[-1] > gap[0] + 0.5, gap
     with pytest.raises(ValueError, match="at least 1"):
-        supervised_split(model, tokenizer, probes, probes, steps=0, lr=1e-3, per_type=2)
+        next(supervised_split(model, tokenizer, probes, probes, steps=0, lr=1e-3, per_type=2))
