@@ -206,9 +206,10 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     loss = (c["learner"] or {}).get("loss") or {}
     if loss.get("teacher_kl") and method == "r1_router":
         errs.append(("learner.loss.teacher_kl", "the teacher KL reads single-transcript episodes; R1-Router has none"))
-    if float(loss.get("mode_entropy_coef") or 0.0) < 0:
+    mode_entropy_coef = float(loss.get("mode_entropy_coef") or 0.0)
+    if mode_entropy_coef < 0:
         errs.append(("learner.loss.mode_entropy_coef", "must be non-negative (it is a bonus)"))
-    elif float(loss.get("mode_entropy_coef") or 0.0) > 0 and not _names_modes(env_id):
+    elif mode_entropy_coef > 0 and not mode_slot_of(env_id):
         errs.append(("learner.loss.mode_entropy_coef", f"{env_id}'s searches name no retrieval mode for the bonus to "
                                                        "act on (RouteRAG's do)"))
     if method == "lws" and c["reward"].get("stage2_start") is None:
@@ -235,13 +236,14 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     return errs
 
 
-def _names_modes(env_id: str) -> bool:
-    """Whether the env's dialect writes a retrieval mode in each search (``Dialect.mode_slot``)."""
+def mode_slot_of(env_id: str) -> str:
+    """The ``Dialect.mode_slot`` of the env's dialect: where a search names its retrieval mode
+    ("" when its searches name none, or the env has no search dialect)."""
     import envs
     from raggym.protocol import get_dialect
 
     dialect = envs.SEARCH_ENV_IDS.get(env_id)
-    return bool(dialect and get_dialect(dialect).mode_slot)
+    return get_dialect(dialect).mode_slot if dialect else ""
 
 
 # ----------------------------------------------------------------------------- merging and reporting

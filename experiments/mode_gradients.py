@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     tokenizer = load_policy_tokenizer("smollm2-135m")
     retriever = Retriever.load(task.index_dir)
     probes = mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.per_type)
-    train_probes = mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.train_per_type, split="train")
+    train_probes = (mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.train_per_type, split="train")
+                    if args.split_steps else {})  # golden episodes cost retrieval: only when they are trained on
     for spec in args.policies:
         started = time.perf_counter()
         model = load_policy(resolve_policy(spec))[0]

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from envs.rollout import EpisodeRequest
-from experiments.config import ConfigError, to_plain
+from experiments.config import ConfigError, mode_slot_of, to_plain
 from raggym.rewards.r1_router import TABLE_KB, TEXT_KB
 
 
@@ -114,10 +114,7 @@ def mode_choice_slot(cfg) -> str | None:
     (``validate_config`` has checked that the env's dialect has one)."""
     if float(((cfg.learner or {}).get("loss") or {}).get("mode_entropy_coef") or 0.0) <= 0:
         return None
-    import envs
-    from raggym.protocol import get_dialect
-
-    return get_dialect(envs.SEARCH_ENV_IDS[cfg.env.id]).mode_slot
+    return mode_slot_of(cfg.env.id)
 
 
 # ----------------------------------------------------------------------------- rollout requests
