@@ -35,8 +35,9 @@ R1-Router's Step-GRPO samples every step of a question from the same input, cond
 
 * ``route``, ``0 <= i <= n`` (``n`` golden steps): the routing prompt with the golden sub-questions
   and answers of steps ``< i``. The gold is golden step ``i``; for ``i == n`` it is the stop action
-  (``"None"`` sub-question and knowledge base), the only place a ``None`` gold is legitimate. The
-  environment does not retrieve for the sampled route: the next step's input is golden anyway.
+  (``"None"`` sub-question and knowledge base), the only place a ``None`` gold is legitimate; Eq. 11
+  has no such group, so ``golden_step_options`` lists it only on request. The environment does not
+  retrieve for the sampled route: the next step's input is golden anyway.
 * ``answer``, ``0 <= i < n``: the intermediate-answer prompt for golden sub-question ``i`` with the
   documents retrieved for it, at reset, from golden step ``i``'s knowledge base. The retrieval is
   counted in the record and its documents are stored on the answer step.
@@ -179,17 +180,20 @@ class MultiKBRouteEnv(BatchedStepEnv):
         return self._phase
 
     @staticmethod
-    def golden_step_options(question: Question) -> list[dict[str, Any]]:
+    def golden_step_options(question: Question, *, stop_route_group: bool = False) -> list[dict[str, Any]]:
         """The ``reset`` options of every teacher-forced step of ``question``, in episode order.
 
-        Route 0, answer 0, route 1, answer 1, …, route n (the stop action), final: ``2n + 2``
-        dicts with the keys ``question``, ``phase``, ``golden_prefix`` and ``step_index`` (the
-        dict's position in this list, the step part of a Step-GRPO group key). ``ValueError``
-        naming the question when it has no usable golden steps (see ``golden_steps``).
+        Route 0, answer 0, route 1, answer 1, …, answer n−1, final: the ``2n + 1`` step groups of
+        R1-Router's Eq. 11. ``stop_route_group`` adds route n, whose gold is the stop action,
+        before the final answer (``2n + 2``): it trains the decision to stop, which Eq. 11 has no
+        group for (``advantage.stop_route_group`` in a training config, off by default). Each
+        dict has the keys ``question``, ``phase``, ``golden_prefix`` and ``step_index`` (the dict's
+        position in this list, the step part of a Step-GRPO group key). ``ValueError`` naming the
+        question when it has no usable golden steps (see ``golden_steps``).
         """
         n = len(golden_steps(question))
         phases = [(phase, i) for i in range(n) for phase in (ROUTE_PHASE, ANSWER_PHASE)]
-        phases += [(ROUTE_PHASE, n), (FINAL_PHASE, n)]
+        phases += [(ROUTE_PHASE, n), (FINAL_PHASE, n)] if stop_route_group else [(FINAL_PHASE, n)]
         return [
             {"question": question, "phase": phase, "golden_prefix": i, "step_index": index}
             for index, (phase, i) in enumerate(phases)

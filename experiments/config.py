@@ -116,6 +116,9 @@ class AdvantageConfig:
     route_weights: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.3, 1.0])
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
+    # step_grpo only: also sample the routing step after the last golden one, whose gold is the
+    # stop route "None" (2n + 2 step groups per question; R1-Router's Eq. 11 has 2n + 1).
+    stop_route_group: bool = False
 
 
 @dataclass
@@ -199,6 +202,8 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
         errs.append(("advantage.estimator", "route-conditioned advantages need the pathrouter reward (its C and P flags)"))
     if c["advantage"]["dynamic_sampling"] and est == "step_grpo":
         errs.append(("advantage.dynamic_sampling", "is defined over episode groups, not Step-GRPO's step groups"))
+    if c["advantage"]["stop_route_group"] and est != "step_grpo":
+        errs.append(("advantage.stop_route_group", f"adds a Step-GRPO step group; it needs advantage.estimator step_grpo (got {est!r})"))
     if c["advantage"]["max_sampling_rounds"] < 1:
         errs.append(("advantage.max_sampling_rounds", "must be at least 1"))
     if len(c["advantage"]["route_weights"]) != 4:

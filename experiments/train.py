@@ -63,6 +63,7 @@ def train(cfg) -> dict:
     adv = to_plain(cfg.advantage)
     estimate_advantages = get_advantage_estimator(adv.pop("estimator"))
     dynamic_sampling, max_rounds = bool(adv.pop("dynamic_sampling")), int(adv.pop("max_sampling_rounds"))
+    adv.pop("stop_route_group")  # which step groups exist, not how they are scored: golden_steps_for reads it
     if cfg.reward.method == "pathrouter":  # the routes use the reward's own C and P thresholds
         adv.update({k: cfg.reward[k] for k in ("correct_f1_threshold", "evidence_threshold") if k in cfg.reward})
     teacher_kl = bool((cfg.learner.get("loss") or {}).get("teacher_kl"))

@@ -6,6 +6,7 @@ on its own. Nothing here starts Ray; the runtime (``experiments/runtime.py``) do
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -139,8 +140,10 @@ def episode_requests(questions: Sequence, tag: str, group_size: int, golden_step
 def golden_steps_for(cfg, questions: Sequence = ()):
     """Step-GRPO is defined over teacher-forced steps: the env class lists them; else None.
 
-    Every training question is checked up front, so data without golden steps fails before any
-    actor starts, with an error naming the question (never a silent reward against a None gold).
+    ``advantage.stop_route_group`` adds the stop-route group to each question's steps (see
+    ``MultiKBRouteEnv.golden_step_options``). Every training question is checked up front, so data
+    without golden steps fails before any actor starts, with an error naming the question (never a
+    silent reward against a None gold).
     """
     if cfg.advantage.estimator != "step_grpo":
         return None
@@ -153,9 +156,10 @@ def golden_steps_for(cfg, questions: Sequence = ()):
     creator = load_env_creator(creator) if isinstance(creator, str) else creator
     if not hasattr(creator, "golden_step_options"):
         raise ConfigError(f"advantage.estimator: step_grpo needs an env with golden_step_options; {cfg.env.id} has none")
+    step_options = functools.partial(creator.golden_step_options, stop_route_group=bool(cfg.advantage.stop_route_group))
     for q in questions:
-        creator.golden_step_options(q)
-    return creator.golden_step_options
+        step_options(q)
+    return step_options
 
 
 def round_seed_index(step: int, sampling_round: int) -> int:

@@ -90,7 +90,10 @@ def test_full_configs_carry_the_papers_numbers():
     assert (c.rollout.max_response_tokens, c.rollout.max_observation_tokens) == (16384, 4096)  # Table 5
 
     c = load_config(str(CONFIGS / "graphrag_r1.yaml"))
+    assert c.policy.model == "Qwen/Qwen2.5-7B"  # "Qwen-2.5-7B as the default backbone"; fits (docs/cluster.md)
     assert c.sft.enabled and (c.sft.epochs, c.sft.lr) == (1, 5e-6)
+    # temperature 1.0 and the one learning rate 5e-6, read as covering the RL phases too (docs/fidelity.md)
+    assert (c.rollout.temperature, c.learner.optimizer.lr) == (1.0, 5e-6)
     assert (c.learner.lora.r, c.learner.lora.alpha) == (16, 32) and c.env.kwargs.retrieval_budget == 8
     assert c.reward.method == "graphrag_r1" and c.reward.phase3_start > 0
     assert (c.reward.pra_initial, c.reward.pra_decay) == (0.5, 1.0)  # R0 = 0.5, k = 1 (implementation details)

@@ -216,7 +216,8 @@ def test_context_mode_and_truncate():
 # ----------------------------------------------------------------------------- teacher forcing (Step-GRPO)
 
 GOLD_0, GOLD_1 = NOLAN.golden_trajectory
-GOLD_PHASES = [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)]
+GOLD_PHASES = [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("final", 2)]  # Eq. 11: 2n + 1 groups
+STOP_ROUTE_PHASE = ("route", 2)  # the optional stop-route group (advantage.stop_route_group)
 
 
 def forced(option: dict, **kwargs):
@@ -229,8 +230,15 @@ def forced(option: dict, **kwargs):
 def test_golden_step_options_list_every_step_of_the_golden_trajectory_in_order():
     options = MultiKBRouteEnv.golden_step_options(NOLAN)
     assert [(o["phase"], o["golden_prefix"]) for o in options] == GOLD_PHASES
-    assert [o["step_index"] for o in options] == list(range(6))
+    assert [o["step_index"] for o in options] == list(range(5))
     assert all(o["question"] is NOLAN for o in options)
+
+
+def test_the_stop_route_group_is_added_only_on_request():
+    # n = 2 golden steps: 2n + 1 = 5 groups by default (Eq. 11), 2n + 2 = 6 with the stop route.
+    options = MultiKBRouteEnv.golden_step_options(NOLAN, stop_route_group=True)
+    assert [(o["phase"], o["golden_prefix"]) for o in options] == [*GOLD_PHASES[:4], STOP_ROUTE_PHASE, GOLD_PHASES[4]]
+    assert [o["step_index"] for o in options] == list(range(6))
 
 
 def test_teacher_forced_contexts_hold_the_golden_prefix_and_nothing_sampled():
@@ -246,7 +254,7 @@ def test_teacher_forced_contexts_hold_the_golden_prefix_and_nothing_sampled():
     assert context == env.dialect.routing_prompt(NOLAN.question, [(GOLD_0["query"], GOLD_0["answer"])])
     assert "Sub-question 1: director of Inception\nAnswer 1: Christopher Nolan\n" in context
     assert "Jaws" not in context and "Spielberg" not in context and "Sub-question 2" not in context
-    final = forced(options[5])[1]
+    final = forced(options[-1])[1]
     assert final == env.dialect.final_answer_prompt(
         NOLAN.question, [(GOLD_0["query"], GOLD_0["answer"]), (GOLD_1["query"], GOLD_1["answer"])]
     )
@@ -254,7 +262,7 @@ def test_teacher_forced_contexts_hold_the_golden_prefix_and_nothing_sampled():
     for option in options:
         contexts = {forced(option)[1] for _ in range(3)}
         assert len(contexts) == 1
-    assert len({forced(o)[1] for o in options}) == 6
+    assert len({forced(o)[1] for o in options}) == len(options) == 5
 
 
 def test_teacher_forced_answer_step_sees_the_documents_of_the_golden_sub_question():
@@ -290,7 +298,9 @@ def test_teacher_forced_gold_values_come_from_the_golden_trajectory():
         ("None", "None", None),  # route n: the gold is to stop
         (None, None, "London"),
     ]
-    for option, gold in zip(MultiKBRouteEnv.golden_step_options(NOLAN), expected_gold):
+    options = MultiKBRouteEnv.golden_step_options(NOLAN, stop_route_group=True)
+    assert len(options) == len(expected_gold)
+    for option, gold in zip(options, expected_gold):
         env, *_ = forced(option)
         *_, terminated, truncated, info = env.step(outputs[option["phase"]])
         assert terminated and not truncated and info["next_phase"] is None
@@ -317,7 +327,7 @@ def test_teacher_forced_episode_ends_after_one_call_with_the_reward():
     env.reset(options=options[3])
     *_, truncated, info = env.step("<think>no answer</think>")
     assert truncated and info["truncation_reason"] == "invalid_intermediate_answer"
-    env.reset(options=options[5])
+    env.reset(options=options[-1])
     *_, truncated, info = env.step("<answer>")
     assert truncated and info["truncation_reason"] == "invalid_final_answer"
     assert seen == [("route", None), ("route", "invalid_route"), ("answer", "invalid_intermediate_answer"),
@@ -377,7 +387,7 @@ def test_musique_questions_get_teacher_forced_steps(musique_dir):
     env = make_env(knowledge_bases={"Text Retriever": KeywordRetriever(list(corpus)[:50])})
     for q in questions:
         options = MultiKBRouteEnv.golden_step_options(q)
-        assert len(options) == 2 * q.hops + 2
+        assert len(options) == 2 * q.hops + 1
     first = questions[0]
     context, _ = env.reset(options=MultiKBRouteEnv.golden_step_options(first)[2])
     assert "Sub-question 1: What company published Journal of Psychotherapy Integration?\n" in context
@@ -418,3 +428,24 @@ def test_route_without_think_is_retrieved_but_scores_no_format_reward():
     embed = lambda texts: np.ones((len(texts), 2))  # noqa: E731  (every sub-question at cosine 1)
     # gold route and cos 1: 1·(½·1 + ½·1) = 1 with the think block, 0·(…) = 0 without
     assert r1_router_step_rewards(outcomes, embed) == pytest.approx([1.0, 0.0])
+
+
+def test_answers_without_think_are_accepted_but_score_no_answer_reward():
+    """Eq. 10 gates answer steps by r_format too: a right answer that skips <think> earns 0 (hand-computed)."""
+    import numpy as np
+
+    from raggym.rewards.r1_router import r1_router_step_rewards, step_format_ok
+
+    options = MultiKBRouteEnv.golden_step_options(NOLAN)
+    intermediate, final = options[1], options[-1]
+    outcomes = []
+    for option, text in ((intermediate, GOLD_0["answer"]), (final, "London")):
+        for output in (answer(text), f"<answer>{text}</answer>"):
+            env, *_ = forced(option)
+            *_, terminated, truncated, info = env.step(output)
+            assert terminated and not truncated  # both are answers the environment takes
+            outcomes.append(info["episode"].outcome())
+    assert [step_format_ok(o.steps[0]) for o in outcomes] == [True, False, True, False]
+    no_routes = lambda texts: np.zeros((0, 2))  # noqa: E731  (answer steps embed nothing)
+    # R_mid = r_format · recall: 1 · 1 with <think>, 0 · 1 without; R_final = r_format · accuracy likewise
+    assert r1_router_step_rewards(outcomes, no_routes) == pytest.approx([1.0, 0.0, 1.0, 0.0])

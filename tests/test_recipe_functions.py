@@ -202,6 +202,12 @@ def _route_step(sub_question, kb, gold_sub_question, gold_kb, format_error=False
             "action": {"kind": "route", "well_formed": well_formed}}
 
 
+def _answer_step(phase, route_step, answer, gold_answer):
+    """A well-formed answer step (think block, then answer), so r_format = 1."""
+    return {"phase": phase, "route_step": route_step, "format_error": False, "answer": answer,
+            "gold_answer": gold_answer, "action": {"kind": "answer", "well_formed": True}}
+
+
 def _step_outcome(step, gold=("Ada Lovelace",)):
     return EpisodeOutcome(answer=step.get("answer"), gold_answers=gold, prompt_id="0:q", steps=(step,))
 
@@ -218,16 +224,16 @@ def test_r1_router_step_rewards_hand_computed():
         _route_step("where was she born?", TABLE_KB, "birthplace of ada", TEXT_KB),  # ½·cos 45° + ½·0
         _route_step("who founded acme?", f"{TEXT_KB}, {TABLE_KB}", "acme founder", TEXT_KB),  # two KBs: no route hit
         _route_step("anything", TEXT_KB, "acme founder", TEXT_KB, format_error=True),  # r_format = 0
-        {"phase": "answer", "route_step": 0, "answer": "Ada Lovelace and Babbage", "gold_answer": "Ada Lovelace"},
-        {"phase": "answer", "route_step": 1, "answer": "Ada", "gold_answer": "Ada King Lovelace"},
-        {"phase": "final", "route_step": 2, "answer": "countess Ada Lovelace", "gold_answer": "Ada Lovelace"},
-        {"phase": "final", "route_step": 2, "answer": "Lovelace", "gold_answer": "Ada Lovelace"},
+        _answer_step("answer", 0, "Ada Lovelace and Babbage", "Ada Lovelace"),
+        _answer_step("answer", 1, "Ada", "Ada King Lovelace"),
+        _answer_step("final", 2, "countess Ada Lovelace", "Ada Lovelace"),
+        _answer_step("final", 2, "Lovelace", "Ada Lovelace"),
     ]
     rewards = r1_router_step_rewards([_step_outcome(s) for s in steps], embed, knowledge_bases=(TEXT_KB, TABLE_KB))
     expected = [1.0, 0.5 * SQRT_HALF, 0.5, 0.0,
                 1.0,        # R_mid: both reference tokens recalled
                 1 / 3,      # R_mid: 1 of the 3 reference tokens
-                1.0, 0.0]   # R_final: 1 only when every gold token is recalled
+                1.0, 0.0]   # R_final: 1 only when the gold answer occurs in the answer (accuracy)
     assert rewards == pytest.approx(expected, abs=1e-9)
     # One batched embedding call: the four sub-questions, then their four golds.
     assert calls == [["who founded acme?", "where was she born?", "who founded acme?", "anything",

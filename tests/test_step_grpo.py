@@ -3,6 +3,8 @@ engine, environment and retrievers; golds from the golden trajectory; the step r
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -31,10 +33,12 @@ def routing_world():
 
 @pytest.fixture(scope="module")
 def step_rollouts(routing_world, hf_engine):
-    """G sampled rollouts for every teacher-forced step of one two-step question."""
+    """G sampled rollouts for every teacher-forced step of one two-step question, the optional
+    stop-route group included (advantage.stop_route_group) so that its None gold is exercised too."""
     world, kbs = routing_world
     question = next(q for q in world.questions if len(q.golden_trajectory) == 2)
-    requests = episode_requests([question], "7", G, MultiKBRouteEnv.golden_step_options)
+    requests = episode_requests([question], "7", G, functools.partial(MultiKBRouteEnv.golden_step_options,
+                                                                       stop_route_group=True))
     runtime = InProcessRollouts(hf_engine, hf_engine.tokenizer, lambda qs, _: MultiKBRouteEnv(
         kbs, qs, gold_knowledge_base_names=GOLD_KB_NAMES, corpus=world.corpus),
         RolloutConfig(max_response_tokens=12, max_turn_tokens=12, max_observation_tokens=64, waves=1))

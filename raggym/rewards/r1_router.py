@@ -22,13 +22,18 @@ scores ``r_format = 0`` (``step_format_ok``). The route indicator counts only wh
 of ``valid_kbs``, and it must equal the gold KB. Include ``"None"`` in ``valid_kbs`` when the
 stop action is a legal route.
 
-Intermediate answer::
+Answer steps (Eq. 10: r(2) = r_format(a_i) · r_answer(a_i)); the appendix asks for the
+reasoning inside ``<think>`` and the answer inside ``<answer>``, so ``r_format`` is the same
+``step_format_ok`` test as for routing steps, applied to the intermediate and the final answer::
 
-    R_mid = recall(answer, reference)        (token recall after SQuAD normalisation)
+    R_mid   = r_format · recall(answer, reference)     (token recall after SQuAD normalisation)
+    R_final = r_format · accuracy(answer, gold)
 
-Final answer::
-
-    R_final = 1 if recall(answer, gold) = 1, else 0
+Accuracy (Eq. 24) is read as cover exact match (``raggym.rewards.metrics.cover_exact_match``):
+1 when some normalised gold answer occurs in the normalised answer as a contiguous run of whole
+tokens, else 0, the usual meaning of "accuracy" in open-domain QA evaluation. Full bag-of-tokens recall
+(every gold token somewhere in the answer, in any order) would be a looser test: it accepts
+"york is a new city" for the gold "New York".
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from raggym.rewards.metrics import token_recall
+from raggym.rewards.metrics import cover_exact_match, token_recall
 
 _KB_SEPARATORS = re.compile(r"\s*(?:,|;|\||/|\band\b|\bor\b)\s*", flags=re.IGNORECASE)
 
@@ -85,14 +90,16 @@ def router_step_reward(
     return r_format * (0.5 * similarity + 0.5 * route_hit)  # r_f · (½ sim + ½ [route = gold])
 
 
-def intermediate_answer_reward(answer: str | None, reference: str | Sequence[str]) -> float:
-    """R_mid = token recall of the reference in the intermediate answer."""
-    return token_recall(answer, reference)
+def intermediate_answer_reward(format_ok: bool, answer: str | None, reference: str | Sequence[str]) -> float:
+    """R_mid = r_format · token recall of the reference in the intermediate answer."""
+    r_format = 1.0 if format_ok else 0.0
+    return r_format * token_recall(answer, reference)  # r_f · recall
 
 
-def final_answer_reward(answer: str | None, gold: str | Sequence[str]) -> float:
-    """R_final = 1 if every gold token is recalled, else 0."""
-    return 1.0 if token_recall(answer, gold) == 1.0 else 0.0
+def final_answer_reward(format_ok: bool, answer: str | None, gold: str | Sequence[str]) -> float:
+    """R_final = r_format · accuracy, accuracy being cover exact match (module docstring)."""
+    r_format = 1.0 if format_ok else 0.0
+    return r_format * cover_exact_match(answer, gold)  # r_f · [a normalised gold answer occurs in the answer]
 
 
 # The knowledge-base names the model writes inside <ret> in raggym's R1-Router setting (the
@@ -112,11 +119,12 @@ def step_format_ok(step) -> bool:
 def r1_router_step_rewards(outcomes: Sequence, embed, knowledge_bases: Sequence[str] = DEFAULT_KNOWLEDGE_BASES) -> list[float]:
     """One reward per teacher-forced step (each outcome holds exactly one step record).
 
-    Routing step: ``R_route`` with ``None`` as the stop action's sub-question and route, and
-    ``r_format`` from ``step_format_ok``. The gold
-    of a routing step past the golden trajectory is the stop action itself, which the environment
-    records as ``"None"``; any other missing gold is an error, never a silent reward.
+    Routing step: ``R_route`` with ``None`` as the stop action's sub-question and route. The gold
+    of a routing step past the golden trajectory (sampled only with ``advantage.stop_route_group``)
+    is the stop action itself, which the environment records as ``"None"``; any other missing gold
+    is an error, never a silent reward.
     Intermediate answer: ``R_mid`` against the golden step answer. Final answer: ``R_final``.
+    Every phase takes ``r_format`` from ``step_format_ok`` (Eq. 10 gates answer steps too).
     ``embed(texts) -> [n, d]`` embeds sub-questions (one batched call for the whole batch).
     """
     steps = []
@@ -143,7 +151,7 @@ def r1_router_step_rewards(outcomes: Sequence, embed, knowledge_bases: Sequence[
             rewards.append(router_step_reward(step_format_ok(step), q, gold_q,
                                               step.get("knowledge_base") or STOP_ROUTE, step["gold_knowledge_base"], valid))
         elif step["phase"] == "answer":
-            rewards.append(intermediate_answer_reward(step.get("answer"), step["gold_answer"]))
+            rewards.append(intermediate_answer_reward(step_format_ok(step), step.get("answer"), step["gold_answer"]))
         else:
-            rewards.append(final_answer_reward(step.get("answer"), outcome.gold_answers))
+            rewards.append(final_answer_reward(step_format_ok(step), step.get("answer"), outcome.gold_answers))
     return [float(r) for r in rewards]
