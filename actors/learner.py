@@ -1180,6 +1180,21 @@ class LearnerGroup:
             raise RuntimeError(f"rollout workers report weight versions {versions}, expected {self.version}")
         return {"weight_version": float(self.version), "publish_seconds": t1 - t0, "load_seconds": t2 - t1, "sync_seconds": t2 - t0}
 
+    def resync_restarted(self, workers: Sequence, timeout_s: float = 600.0) -> list[int]:
+        """Load the current weights into every worker that Ray restarted and that has not been synced
+        since (``RolloutWorker(require_sync="after_restart")`` refuses to generate until then);
+        returns their indices. The object store carries them whatever the sync mode: a restarted
+        worker has lost its place in any collective group, so that group is dropped here and must be
+        rebuilt with ``init_weight_sync`` before the next ``broadcast_weights``."""
+        import ray
+
+        infos = ray.get([w.info.remote() for w in workers], timeout=timeout_s)
+        stale = [i for i, info in enumerate(infos) if not info["synced"]]
+        if stale:
+            self.sync_weights([workers[i] for i in stale])
+            self._sync_world = None
+        return stale
+
     def init_weight_sync(self, workers: Sequence, backend: str = "gloo", timeout_s: float = 600.0) -> int:
         """Build a ``WeightSyncGroup`` of learner rank 0 and every worker's engine rank(s)."""
         import ray
@@ -1190,7 +1205,7 @@ class LearnerGroup:
         calls = [self.learners[0].init_weight_sync.remote(addr, port, world, backend)]
         offset = 1
         for w, r in zip(workers, ranks):
-            calls.append(w.init_weight_sync.remote(addr, port, offset, world, backend))
+            calls.append(w.init_weight_sync_async.remote(addr, port, offset, world, backend))
             offset += r
         ray.get(calls, timeout=timeout_s)
         self._sync_world = world
@@ -1201,9 +1216,9 @@ class LearnerGroup:
         import ray
 
         if self._sync_world is None:
-            raise RuntimeError("call init_weight_sync(workers, backend) first")
+            raise RuntimeError("call init_weight_sync(workers, backend) first (again after resync_restarted found a restarted worker)")
         t0 = time.perf_counter()
-        receives = [w.receive_weights.remote() for w in workers]
+        receives = [w.receive_weights_async.remote() for w in workers]
         sends = [l.broadcast_weights.remote(dtype) for l in self.learners]
         versions = ray.get(receives, timeout=timeout_s)
         sent = ray.get(sends, timeout=timeout_s)[0]

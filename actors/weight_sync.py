@@ -168,7 +168,8 @@ def push_weights_via_object_store(weights_ref, workers: Sequence, *, timeout_s: 
     """
     import ray
 
-    return ray.get([w.update_weights.remote(weights_ref) for w in workers], timeout=timeout_s)
+    # the async variant works for every engine: vLLM's AsyncLLM updates asynchronously
+    return ray.get([w.update_weights_async.remote(weights_ref) for w in workers], timeout=timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------

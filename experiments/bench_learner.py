@@ -156,17 +156,17 @@ def bench_sync(args, learner) -> dict:
             flat.version = version
             t = time.perf_counter()
             ref = ray.put(flat)
-            ray.get(worker.update_weights.remote(ref))
+            ray.get(worker.update_weights_async.remote(ref))
             object_store.append(time.perf_counter() - t)
             del ref
         port = pick_free_port("127.0.0.1")
-        join = worker.init_weight_sync.remote("127.0.0.1", port, 1, 2, "gloo")
+        join = worker.init_weight_sync_async.remote("127.0.0.1", port, 1, 2, "gloo")
         learner.init_weight_sync("127.0.0.1", port, 2, "gloo")
         ray.get(join)
         collective = []
         for _ in range(args.sync_repeats):
             t = time.perf_counter()
-            received = worker.receive_weights.remote()
+            received = worker.receive_weights_async.remote()
             learner.broadcast_weights()
             ray.get(received)
             collective.append(time.perf_counter() - t)

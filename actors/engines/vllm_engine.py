@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Sequence
 
-import torch
 
 from actors.engines.base import GenerationResult, SamplingParams, check_prompts, derive_seed
 from actors.weight_sync import FlatWeights, named_tensors_of

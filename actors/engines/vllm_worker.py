@@ -12,6 +12,13 @@ CPU backend repacks each linear layer's weight for oneDNN after loading and leav
 empty, so a second ``load_weights`` fails ("Attempted to load weight (torch.Size([576, 1536]))
 into parameter (torch.Size([0]))").
 
+Tied output heads need one more step on CPU. SmolLM2's ``lm_head`` shares ``embed_tokens``' weight,
+and the CPU backend packs that weight into a oneDNN handle for the head when the model loads. The
+reload runs the post-processing of the modules it loaded (the embedding), not of the head that
+only points at the same tensor, so the head would keep sampling from the old embedding (measured:
+mean log-prob drift 0.75 after perturbing only the embedding). ``_retie_output_head`` points the
+head at the reloaded tensor and packs it again (on GPU the packing step does nothing).
+
 Arguments cross the RPC as plain data: a tensor argument reaches the worker as a list, so the
 object-store path sends ``FlatWeights``' buffer as ``bytes``.
 
@@ -38,9 +45,19 @@ class WeightSyncWorkerExtension:
                 yield name, tensor.to(self.device)
 
         self.model_runner.reload_weights(weights_iterator=counted())
+        self._retie_output_head()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return len(seen)
+
+    def _retie_output_head(self) -> None:
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or not getattr(model.config, "tie_word_embeddings", False):
+            return
+        head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
 
     def raggym_load_flat_weights(self, header: str, payload: bytes) -> int:
         """Object-store path: load a packed ``FlatWeights`` buffer; returns how many tensors."""

@@ -188,7 +188,8 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
     """``[R, L, H]`` final (normalised) hidden states of a causal LM, without computing any logits.
 
     The model is called as usual (through a DeepSpeed engine's ``forward`` when given one) with an
-    all-False ``logits_to_keep`` mask, so its head runs on zero positions; the decoder's output is
+    all-False ``logits_to_keep`` mask over the sequence positions, so its head runs on none of them
+    (1-D: transformers < 5.20, which vLLM pins, indexes ``hidden[:, mask, :]`` and rejects a 2-D mask); the decoder's output is
     taken with a forward hook. ``attention_mask`` may be 2D padding or an additive 4D mask.
     """
     decoder = _causal_lm(model).get_decoder()
@@ -200,7 +201,7 @@ def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
     handle = decoder.register_forward_hook(keep_output)
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-              logits_to_keep=torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device), use_cache=False)
+              logits_to_keep=torch.zeros(input_ids.shape[-1], dtype=torch.bool, device=input_ids.device), use_cache=False)
     finally:
         handle.remove()
     if len(captured) != 1:
