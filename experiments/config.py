@@ -96,12 +96,12 @@ class RolloutSection:
     loop: str = "async"
     max_staleness: int = 0  # versions a trained sample's weights may lag the learner's (0: on-policy)
     worker_cpus: float = 0.5
-    worker_gpus: float = 0.0  # vllm: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)
+    worker_gpus: float = 0.0  # vllm on a GPU cluster: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)
     engine_kwargs: dict = field(default_factory=dict)
     # Custom Ray resources each rollout worker / env runner requests, to pin them to labelled nodes.
     worker_resources: dict[str, float] = field(default_factory=dict)
-    # auto: vLLM engines get the pynccl broadcast, HF engines the object store; collective: the
-    # broadcast for HF engines too (gloo); object_store: always the object store.
+    # auto: vLLM engines beside GPU learners get the pynccl broadcast, everything on CPU the object
+    # store; collective: the broadcast on CPU too (gloo); object_store: always the object store.
     weight_sync: Literal["auto", "object_store", "collective"] = "auto"
     env_runner_resources: dict[str, float] = field(default_factory=dict)
 
