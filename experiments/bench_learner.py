@@ -354,7 +354,7 @@ def memory_variant(variant: str, seq_len: int, layers: int, chunk: int, temperat
     _reset_peak_rss()
     t0 = time.perf_counter()
     if variant == "naive":
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=keep, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=keep[0], use_cache=False).logits
         logits = logits.reshape(-1, logits.shape[-1])
         scaled = logits.float() / temperature
         logprobs = entry_logprobs(scaled, targets)

@@ -217,7 +217,10 @@ def sample_and_train(learner, engine, prompts, seed: int):
     return results
 
 
-@pytest.mark.parametrize("lora", [None, {"r": 16, "alpha": 32}], ids=["full", "lora-r16"])
+# vLLM only: the HF engine's sync from a DeepSpeed learner group is test_weight_sync.py's. LoRA goes
+# through the same update_weights as a full step (merged weights), so it runs on one vLLM engine.
+@pytest.mark.parametrize(("engine", "lora"), [("vllm", None), ("vllm", {"r": 16, "alpha": 32}), ("vllm-async", None)],
+                         ids=["vllm-full", "vllm-lora-r16", "vllm-async-full"], indirect=["engine"])
 def test_after_a_learner_step_and_a_sync_the_engine_reports_the_learners_logprobs(engine, prompts, lora):
     # A fresh learner per case: the module's `learner` must stay at the checkpoint's weights.
     trained = Learner(LearnerConfig.from_dict({

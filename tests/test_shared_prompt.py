@@ -129,8 +129,9 @@ def test_shared_prompt_losses_and_gradients_equal_the_padded_computation(tiny_ll
     assert packed.shared and packed.input_ids.shape[0] == 3  # two groups and the loner
     assert packed.computed_tokens < 0.6 * packed.real_tokens
     mask4d = packed.model_attention_mask(torch.float32)
-    out = model(input_ids=packed.input_ids, attention_mask=mask4d, position_ids=packed.position_ids,
-                logits_to_keep=packed.keep).logits
+    # every position's logits, then the kept ones row-major (the learner does the same on hidden
+    # states; a 2-D logits_to_keep mask needs transformers >= 5.20, vLLM's CPU build pins < 5.20)
+    out = model(input_ids=packed.input_ids, attention_mask=mask4d, position_ids=packed.position_ids).logits[packed.keep]
     out = out if packed.logit_index is None else out[packed.logit_index]
     lp_packed = packed.scatter(entry_logprobs(out, packed.targets))
     ent_packed = packed.scatter(entropy_from_logits(out.float()))

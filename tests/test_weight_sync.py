@@ -221,6 +221,7 @@ def test_collective_gloo_sync_makes_rollout_logprobs_equal_learner_logprobs(clus
     assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=400, version=2)
 
 
+@pytest.mark.integration  # a vLLM actor killed and rebuilt (engine start and all): ~100 s here
 def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_into_the_group(cluster, prompts):
     from actors.engines.rollout_worker import WeightsNotSyncedError
 

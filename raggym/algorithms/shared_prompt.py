@@ -19,7 +19,7 @@ The same layout does two more things that save work without changing any number:
 
 * only the positions whose next-token distribution is needed (``needed``: the trained tokens, or
   every real token for a full log-probability pass) go through the output embedding and the
-  softmax (``keep``, passed to HF's ``logits_to_keep``), instead of every prompt position;
+  softmax (``keep``, applied to the final hidden states), instead of every prompt position;
 * rows are trimmed to their own length instead of the batch's, and rows with nothing needed (the
   masked filler rows that round a batch up to the mini-batch size) are not computed at all.
 
@@ -41,8 +41,8 @@ DEFAULT_MIN_SHARED_TOKENS = 16  # below this the saving does not pay for the cus
 class PackedBatch:
     """One micro-batch laid out for a single forward pass (see the module docstring).
 
-    ``keep`` marks the packed positions whose logits the model should return; HF returns them
-    flattened in row-major order (``[K, V]``). Entry ``e`` (of ``M``) is the original token
+    ``keep`` marks the packed positions whose logits are needed; ``hidden[keep]`` takes them
+    flattened in row-major order (``[K, ...]``). Entry ``e`` (of ``M``) is the original token
     ``target_index[e] = b·T + t``: its log-probability comes from kept logit ``logit_index[e]``
     (``None``: the identity, ``M == K``).
     """
