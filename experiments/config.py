@@ -13,7 +13,7 @@ A config is the ``TrainConfig`` defaults, then a YAML file, then ``key=value`` o
   ``experiments.config_schema`` checks them against the class or signature they are passed to.
 * **Open registries**: ``method``/``reward.method`` (built-ins or ``register_reward_schedule``),
   ``advantage.estimator`` (``register_advantage_estimator``), ``env.id`` (gymnasium's registry)
-  and ``rollout.engine`` (``hf``, ``vllm``, ``register_engine`` or ``"module:Class"``).
+  and ``rollout.engine`` (``hf``, ``vllm``, ``vllm-async``, ``register_engine`` or ``"module:Class"``).
 * **Cross-section checks** (``_cross_errors``) run once everything else is valid.
 
 Every problem is one line of ``ConfigError``: ``invalid config:\\n  <source>: <dotted key>: <problem>``.
