@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -292,12 +294,14 @@ def test_an_episode_past_its_deadline_gets_504_and_stops(hf_engine, small_world_
 
 
 def test_async_vllm_mapping_of_sampling_and_finish_reasons():
-    import sys
-
     from actors.engines.base import SamplingParams
     from actors.engines.vllm_engine import finish_of, sampling_kwargs
 
-    assert "vllm" not in sys.modules  # importing the engine module does not need vLLM
+    # importing the engine modules does not import vLLM (checked in a fresh interpreter: other test
+    # modules of this worker may have imported it already)
+    fresh = subprocess.run([sys.executable, "-c", "import sys, actors.engines.vllm_engine, actors.engines.vllm_async; "
+                            "print('vllm' in sys.modules)"], capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == "False"
     kwargs = sampling_kwargs(SamplingParams(temperature=0.0), ["</search>", "", "</answer>"], 24, None)
     assert kwargs["stop"] == ["</search>", "</answer>"] and kwargs["max_tokens"] == 24
     assert kwargs["include_stop_str_in_output"] and kwargs["top_k"] == -1 and kwargs["n"] == 1
