@@ -193,13 +193,18 @@ def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(engine,
         proc.wait()
 
 
-def test_more_cpus_than_the_cluster_has_fails_fast_naming_the_deployment(run_dir, index_dir):
+def _serve_on_too_few_cpus(run_dir, index_dir, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``raggym serve`` with ``extra`` arguments (a small ``--num-cpus``); its result and seconds taken."""
     command = _raggym_command() + ["serve", "--checkpoint", str(run_dir), "--index", str(index_dir),
-                                   "--port", str(_free_port()), "--num-cpus", "1"]
+                                   "--port", str(_free_port()), *extra]
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, env=_server_env(), timeout=180,
                             cwd=Path(__file__).resolve().parents[1])
-    elapsed = time.monotonic() - started
+    return result, time.monotonic() - started
+
+
+def test_more_cpus_than_the_cluster_has_fails_fast_naming_the_deployment(run_dir, index_dir):
+    result, elapsed = _serve_on_too_few_cpus(run_dir, index_dir, "--num-cpus", "1")
     assert result.returncode == 2, result.stderr[-3000:]
     assert ("raggym serve: error: deployment RetrievalServer needs 1 CPU (1 per replica x 1), but the private Ray "
             "(--num-cpus 1) has 1 CPU free, and PolicyServer (1 CPU per replica x 1) takes 1 of it. The app needs 2.5 CPU "
@@ -211,12 +216,7 @@ def test_more_cpus_than_the_cluster_has_fails_fast_naming_the_deployment(run_dir
 def test_vllm_on_a_cluster_without_gpu_reserves_cpus_for_its_processes(run_dir, index_dir):
     """vLLM's device follows the cluster's GPUs, known once the private Ray runs: on this GPU-less
     machine the policy runs on CPU and reserves 2 CPUs, so 2 are too few for the app (3.5)."""
-    command = _raggym_command() + ["serve", "--checkpoint", str(run_dir), "--index", str(index_dir),
-                                   "--port", str(_free_port()), "--num-cpus", "2", "--engine", "vllm"]
-    started = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, env=_server_env(), timeout=180,
-                            cwd=Path(__file__).resolve().parents[1])
-    elapsed = time.monotonic() - started
+    result, elapsed = _serve_on_too_few_cpus(run_dir, index_dir, "--num-cpus", "2", "--engine", "vllm")
     assert result.returncode == 2, result.stderr[-3000:]
     assert ("raggym serve: error: deployment RetrievalServer needs 1 CPU (1 per replica x 1), but the private Ray "
             "(--num-cpus 2) has 2 CPU free, and PolicyServer (2 CPU per replica x 1) takes 2 of it. The app needs 3.5 CPU "
