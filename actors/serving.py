@@ -190,7 +190,7 @@ class AgentCore:
         # Question needs a gold answer; a served question has none, and _no_reward never reads it.
         q = Question(id=request_id or uuid.uuid4().hex, question=question, answers=("(not known)",))
         config = RolloutConfig(max_response_tokens=s.max_response_tokens, max_turn_tokens=s.max_turn_tokens,
-                               max_observation_tokens=s.max_observation_tokens, waves=1)
+                               max_observation_tokens=s.max_observation_tokens)
         engine = self.engine if stop is None else _StoppableEngine(self.engine, stop)
         traj = MultiTurnRollout(LocalBackend(engine), self.tokenizer, s.sampling, config).run([env], [q])[0]
         record = env.record

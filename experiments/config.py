@@ -90,10 +90,6 @@ class RolloutSection:
     max_turn_tokens: int = 32
     max_observation_tokens: int = 128
     max_sequence_tokens: Optional[int] = None  # prompt + turns + observations of one context; None: no cap
-    waves: int = 2
-    # "async": one coroutine per episode over session engines; "waves": the wave loop, whose fixed
-    # batch membership makes a resumed step token-equal to an uninterrupted one (docs/runtime.md)
-    loop: str = "async"
     max_staleness: int = 0  # versions a trained sample's weights may lag the learner's (0: on-policy)
     worker_cpus: float = 0.5
     worker_gpus: float = 0.0  # vllm on a GPU cluster: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)
@@ -229,8 +225,6 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     for key in ("run.steps", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_turn_tokens"):
         if get_path(c, key.split(".")) < 1:
             errs.append((key, "must be at least 1"))
-    if c["rollout"]["loop"] not in ("async", "waves"):
-        errs.append(("rollout.loop", f"must be 'async' or 'waves', got {c['rollout']['loop']!r}"))
     if c["rollout"]["max_staleness"] < 0:
         errs.append(("rollout.max_staleness", "must be non-negative (0: train on-policy samples only)"))
     ev = c["eval"]

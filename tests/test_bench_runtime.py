@@ -46,7 +46,7 @@ def _phase(rollout, plain):
 
 
 def test_side_by_side_compares_each_vllm_dtype_with_hf_and_checks_both_targets():
-    hf = {"plain_tok_s": 100.0, "async_tok_s": 80.0, "cpu_time": {"rollout_over_generate": 0.7}}
+    hf = {"plain_tok_s": 100.0, "rollout_tok_s": 80.0, "cpu_time": {"rollout_over_generate": 0.7}}
     vllm = {"float32": _phase(180.0, 200.0), "bfloat16": _phase(120.0, 300.0)}
     out = bench.side_by_side(hf, vllm, {"hf": {"total_mib": 1.0}}, {"float32": {"mean": 1e-5}})
     assert out["engines"] == ["hf", "vllm_float32", "vllm_bfloat16"]

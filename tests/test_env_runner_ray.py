@@ -2,9 +2,9 @@
 
 The policy is the scripted engine (``actors/engines/scripted.py``) on a rollout-worker actor:
 each episode searches twice, each time in a mode it picks from the script's alternatives with
-its own seeded stream, then answers. So one wave's retrieval call holds several ``(mode, k)``
-groups and repeated queries, which is what ``RayBackend.submit_retrieve`` groups, de-duplicates
-and maps back to the episodes.
+its own seeded stream, then answers. So the episodes' searches of one turn, batched together
+by the rollout loop, hold several ``(mode, k)`` groups and repeated queries, which is what
+``RayBackend.retrieve`` groups, de-duplicates and maps back to the episodes.
 """
 
 from collections import Counter
@@ -26,7 +26,6 @@ SCRIPT = [
     "<think>done</think>\n<answer> unknown </answer>",
 ]
 TOP_K = 2
-WAVES = 2
 SEARCHES_PER_EPISODE = 2
 
 
@@ -36,15 +35,15 @@ def test_every_episode_gets_exactly_the_in_process_hits(ray_session, sharded_ind
     workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT)]
     runner = EnvRunner.as_remote(num_cpus=0.25).remote(
         "raggym/RouteRAG-v0", service, workers, "smollm2-135m", {"top_k": TOP_K, "retrieval_budget": 3},
-        {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512, "waves": WAVES})
+        {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512})
     questions = small_world.questions[:6]
     requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in questions for g in range(3)]
     episodes = ray.get(runner.rollout.remote(requests, SamplingParams(seed=11)), timeout=300)
 
     assert len(episodes) == len(requests)
     local = Retriever.load(sharded_index)
-    searches_by_wave_turn: dict[tuple[int, int], list[tuple[str, str]]] = {}
-    for index, (request, episode) in enumerate(zip(requests, episodes)):
+    searches_by_turn: dict[int, list[tuple[str, str]]] = {}
+    for request, episode in zip(requests, episodes):
         (rollout,) = episode  # RouteRAG appends to one transcript: one rollout per episode
         assert rollout.prompt_id == request.prompt_id and rollout.sample_index == request.sample_index
         turns = [t for t in rollout.episode["turns"] if t["query"] is not None]
@@ -56,12 +55,12 @@ def test_every_episode_gets_exactly_the_in_process_hits(ray_session, sharded_ind
             assert turn["retrieved_ids"] == [h.id for h in expected.hits]
             assert turn["retrieved_titles"] == [h.title for h in expected.hits]
             assert turn["retrieved_texts"] == [h.text for h in expected.hits]
-            searches_by_wave_turn.setdefault((index % WAVES, turn_number), []).append((turn["mode"], turn["query"]))
+            searches_by_turn.setdefault(turn_number, []).append((turn["mode"], turn["query"]))
 
-    # The inputs reach every path of the grouping: one wave's call holds several modes (several
+    # The inputs reach every path of the grouping: one turn's searches hold several modes (several
     # groups) and repeated (mode, query) pairs (de-duplicated to one query each).
-    assert any(len({mode for mode, _ in s}) > 1 for s in searches_by_wave_turn.values())
-    assert any(max(Counter(s).values()) > 1 for s in searches_by_wave_turn.values())
+    assert any(len({mode for mode, _ in s}) > 1 for s in searches_by_turn.values())
+    assert any(max(Counter(s).values()) > 1 for s in searches_by_turn.values())
 
 
 def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_session, sharded_index, small_world, tmp_path):
@@ -73,7 +72,7 @@ def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_sessi
     workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT, delay_s=0.3, call_log=str(log))
                for _ in range(2)]
     Runner = EnvRunner.as_remote(num_cpus=0.25)
-    config = {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512, "loop": "async"}
+    config = {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512}
     both = Runner.remote("raggym/RouteRAG-v0", service, workers, "smollm2-135m", {"top_k": TOP_K}, config)
     requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in small_world.questions[:4] for g in range(2)]
     episodes = ray.get(both.rollout.remote(requests, SamplingParams(seed=11)), timeout=300)

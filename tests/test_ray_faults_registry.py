@@ -65,7 +65,7 @@ def test_killing_a_worker_a_shard_and_the_runner_mid_rollout_loses_nothing(ray_s
     workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT, delay_s=DELAY_S, call_log=str(log))
                for _ in range(2)]
     Runner = EnvRunner.as_remote(num_cpus=0.25, **RESTARTS)
-    cfg = {"max_response_tokens": 128, "max_turn_tokens": 64, "max_observation_tokens": 96, "waves": 2}
+    cfg = {"max_response_tokens": 128, "max_turn_tokens": 64, "max_observation_tokens": 96}
     runner = Runner.remote("raggym/RouteRAG-v0", service, workers, "smollm2-135m", {"top_k": 2, "retrieval_budget": 3}, cfg)
     ray.get([runner.ping.remote()])
     pids = [ray.get(w.info.remote())["pid"] for w in workers]

@@ -45,7 +45,7 @@ def test_scripted_episode_masks_spans_and_exact_ids(hf_engine, small_world, smal
                 f"<think>found it</think><answer>{q.answer}</answer>"]
     engine = ScriptedEngine(tok, segments)
     env = RagSearchEnv(small_world_retriever, [q], dialect="routerag")
-    traj, = MultiTurnRollout(LocalBackend(engine), tok, config=RolloutConfig(waves=1)).run([env], [EpisodeRequest(q, "g0")])
+    traj, = MultiTurnRollout(LocalBackend(engine), tok, config=RolloutConfig()).run([env], [EpisodeRequest(q, "g0")])
     # the exact generated ids come back, turn by turn, via the mask
     expected = [tok(s, add_special_tokens=False)["input_ids"] for s in segments]
     assert traj.model_token_spans() == expected
@@ -76,7 +76,7 @@ def test_real_sampling_rollout_keeps_engine_output(hf_engine, small_world, small
     tok = hf_engine.tokenizer
     questions = small_world.questions[:4]
     envs = [RagSearchEnv(small_world_retriever, questions, dialect="routerag") for _ in questions]
-    cfg = RolloutConfig(max_response_tokens=40, max_turn_tokens=16, max_observation_tokens=64, waves=2)
+    cfg = RolloutConfig(max_response_tokens=40, max_turn_tokens=16, max_observation_tokens=64)
     trajs = MultiTurnRollout(LocalBackend(hf_engine), tok, SamplingParams(temperature=1.0, seed=11), cfg).run(envs, questions)
     for traj in trajs:
         traj.check()
@@ -120,7 +120,7 @@ def test_turn_cap_cuts_a_turn_and_sequence_cap_ends_the_episode(hf_engine, small
     prompt_len = len(chat_prompt_ids(tok, env.reset(options={"question": q})[0]))
     sequence_cap = prompt_len + 10 + 20 + 6
     engine = ScriptedEngine(tok, [long_search, long_answer])
-    cfg = RolloutConfig(max_response_tokens=1000, max_turn_tokens=10, max_observation_tokens=20, waves=1,
+    cfg = RolloutConfig(max_response_tokens=1000, max_turn_tokens=10, max_observation_tokens=20,
                         max_sequence_tokens=sequence_cap)
     traj, = MultiTurnRollout(LocalBackend(engine), tok, config=cfg).run([env], [EpisodeRequest(q, "g0")])
     assert [len(t["token_ids"]) for t in traj.turns] == [10, 6]
@@ -139,7 +139,7 @@ def test_sequence_cap_cuts_an_observation_to_the_room_left(hf_engine, small_worl
     search_len = len(tok(search, add_special_tokens=False)["input_ids"])
     env = RagSearchEnv(small_world_retriever, [q], dialect="routerag")
     prompt_len = len(chat_prompt_ids(tok, env.reset(options={"question": q})[0]))
-    cfg = RolloutConfig(max_response_tokens=1000, max_turn_tokens=100, max_observation_tokens=200, waves=1,
+    cfg = RolloutConfig(max_response_tokens=1000, max_turn_tokens=100, max_observation_tokens=200,
                         max_sequence_tokens=prompt_len + search_len + 5)
     engine = ScriptedEngine(tok, [search])
     traj, = MultiTurnRollout(LocalBackend(engine), tok, config=cfg).run([env], [EpisodeRequest(q, "g0")])

@@ -38,9 +38,9 @@ def tokenizer(hf_engine):
     return hf_engine.tokenizer
 
 
-def _run(engine, retriever, questions, requests, loop, sampling=None, **config):
+def _run(engine, retriever, questions, requests, sampling=None, **config):
     envs = [RagSearchEnv(retriever, questions, dialect="routerag", top_k=2) for _ in requests]
-    rollout = MultiTurnRollout(LocalBackend(engine), engine.tokenizer, sampling, RolloutConfig(loop=loop, **{**CONFIG, **config}))
+    rollout = MultiTurnRollout(LocalBackend(engine), engine.tokenizer, sampling, RolloutConfig(**{**CONFIG, **config}))
     return rollout, rollout.run_episodes(envs, requests)
 
 
@@ -49,20 +49,20 @@ def _summary(episodes):
             for e in episodes]
 
 
-def test_async_loop_equals_the_wave_loop_and_batches_retrieval(tokenizer, small_world, small_world_retriever, tmp_path):
+def test_concurrent_episodes_equal_episodes_run_alone_and_batch_retrieval(tokenizer, small_world, small_world_retriever, tmp_path):
     questions = small_world.questions[:4]
     requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in questions for g in range(2)]
     log = tmp_path / "calls.jsonl"
     engine = make_engine("scripted", tokenizer=tokenizer, script=FIXED_SCRIPT, delay_s=0.2, call_log=str(log))
     started = time.perf_counter()
     # A long window: a batch may only go out early because every live episode has joined it.
-    rollout, async_episodes = _run(engine, small_world_retriever, questions, requests, "async",
+    rollout, async_episodes = _run(engine, small_world_retriever, questions, requests,
                                    retrieval_batch_window_s=WINDOW_S)
     assert time.perf_counter() - started < WINDOW_S
-    _, wave_episodes = _run(make_engine("scripted", tokenizer=tokenizer, script=FIXED_SCRIPT), small_world_retriever,
-                            questions, requests, "waves", waves=2)
-    # a script without choices: the two loops build identical records, search for search
-    assert _summary(async_episodes) == _summary(wave_episodes)
+    alone = make_engine("scripted", tokenizer=tokenizer, script=FIXED_SCRIPT)
+    one_by_one = [_run(alone, small_world_retriever, questions, [request])[1][0] for request in requests]
+    # a script without choices: running together builds the records each episode builds alone
+    assert _summary(async_episodes) == _summary(one_by_one)
     assert all(len(r.turns) == 3 and r.outcome.answer == "unknown" for e in async_episodes for r in e)
     # every episode searched twice, and each round of searches went out as one batch of all eight
     assert rollout.retrieval_batches == [8, 8]
@@ -82,16 +82,16 @@ def test_seeded_samples_depend_on_the_episode_only(tokenizer, small_world, small
     requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in questions for g in range(3)]
     engine = make_engine("scripted", tokenizer=tokenizer, script=CHOICE_SCRIPT)
     sampling = SamplingParams(seed=4)
-    _, full = _run(engine, small_world_retriever, questions, requests, "async", sampling)
-    _, again = _run(engine, small_world_retriever, questions, requests, "async", sampling)
+    _, full = _run(engine, small_world_retriever, questions, requests, sampling)
+    _, again = _run(engine, small_world_retriever, questions, requests, sampling)
     assert _summary(full) == _summary(again)
     # the same episodes in another order and with fewer companions draw the same samples
     subset = [requests[i] for i in (7, 2, 4)]
-    _, alone = _run(engine, small_world_retriever, questions, subset, "async", sampling)
+    _, alone = _run(engine, small_world_retriever, questions, subset, sampling)
     assert _summary(alone) == _summary([full[i] for i in (7, 2, 4)])
     # the choices do differ between episodes (each has its own stream), and a new seed changes them
     assert len({tuple(r.turns[0]["token_ids"]) for e in full for r in e}) > 1
-    _, other = _run(engine, small_world_retriever, questions, requests, "async", SamplingParams(seed=5))
+    _, other = _run(engine, small_world_retriever, questions, requests, SamplingParams(seed=5))
     assert _summary(other) != _summary(full)
 
 
@@ -99,12 +99,12 @@ def test_budgets_cut_turns_and_end_episodes_in_the_async_loop(tokenizer, small_w
     questions = small_world.questions[:2]
     requests = [EpisodeRequest(q, q.id) for q in questions]
     engine = make_engine("scripted", tokenizer=tokenizer, script=FIXED_SCRIPT)
-    _, episodes = _run(engine, small_world_retriever, questions, requests, "async", max_turn_tokens=10,
+    _, episodes = _run(engine, small_world_retriever, questions, requests, max_turn_tokens=10,
                        max_response_tokens=25)
     for (r,) in episodes:
         assert all(len(t["token_ids"]) <= 10 for t in r.turns) and r.response_length <= 25
         assert r.truncated_by_length and r.episode["truncation_reason"] == "response_tokens"
-    _, capped = _run(engine, small_world_retriever, questions, requests, "async", max_sequence_tokens=400)
+    _, capped = _run(engine, small_world_retriever, questions, requests, max_sequence_tokens=400)
     for (r,) in capped:
         assert len(r.token_ids) <= 400
         assert r.truncated_by_length and r.episode["truncation_reason"] == "sequence_tokens"
@@ -155,8 +155,3 @@ def test_drop_stale_keeps_whole_groups_within_the_bound():
         rollout_staleness(_rollout("a", [6]), 5)
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
         drop_stale(batch, 5, -1)
-
-
-def test_rollout_config_rejects_an_unknown_loop():
-    with pytest.raises(ValueError, match="loop must be one of"):
-        RolloutConfig(loop="threads")

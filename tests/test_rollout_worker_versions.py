@@ -61,8 +61,6 @@ def test_ray_worker_serves_concurrent_sessions_and_a_restart_waits_for_weights(t
         calls = [worker.generate_async.remote(f"s{i}", PROMPT[: 4 + i], sampling, (), 6) for i in range(3)]
         results = ray.get(calls, timeout=120)
         assert [len(r.token_ids) for r in results] == [6, 6, 6]
-        # batched: fewer decode steps than the 3 x 5 a one-request-at-a-time actor would take
-        assert ray.get(worker.session_stats.remote())["decode_steps"] < 15
         assert ray.get(worker.load.remote()) == {"sessions": 3, "running": 0}
         # each equals the same request alone (its stream depends on its seed only)
         (alone,) = ray.get([worker.generate_async.remote("alone", PROMPT[:5], sampling, (), 6)])

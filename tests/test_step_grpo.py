@@ -41,7 +41,7 @@ def step_rollouts(routing_world, hf_engine):
                                                                        stop_route_group=True))
     runtime = InProcessRollouts(hf_engine, hf_engine.tokenizer, lambda qs, _: MultiKBRouteEnv(
         kbs, qs, gold_knowledge_base_names=GOLD_KB_NAMES, corpus=world.corpus),
-        RolloutConfig(max_response_tokens=12, max_turn_tokens=12, max_observation_tokens=64, waves=1))
+        RolloutConfig(max_response_tokens=12, max_turn_tokens=12, max_observation_tokens=64))
     return question, requests, runtime.rollout(requests, SamplingParams(temperature=1.0, seed=3))
 
 

@@ -156,11 +156,6 @@ class RolloutWorker:
         """``{"sessions": n, "running": n}`` of the engine, for least-loaded routing of new sessions."""
         return self.sessions.load()
 
-    def session_stats(self) -> dict:
-        """The engine's session counters (``HFEngine.session_stats``), ``{}`` for engines without them."""
-        stats = getattr(self.engine, "session_stats", None)
-        return stats() if callable(stats) else {}
-
     def _updated(self, version) -> int:
         self.synced = True
         return int(version)
