@@ -7,8 +7,7 @@ with a ``RayBackend``, whose generation goes to rollout-worker actors and whose 
 the services, both asynchronously. In the async loop every episode is a coroutine awaiting its own
 engine requests, on the worker its session sticks to (a new session goes to the least-loaded
 worker), while the searches of all episodes waiting on retrieval go out as one batched call per
-service; in the wave loop one wave of episodes waits for the engine while another wave's searches
-are answered.
+service.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def _has_method(actor, name: str) -> bool:
 class RayBackend:
     """Generation on rollout workers, retrieval on the services; both asynchronous.
 
-    Wave loop: each wave's ``generate`` goes to the next worker (round-robin). Async loop: each
-    session (an episode, or one model call in ``replace`` mode) sticks to one worker, so a session
+    Each session (an episode, or one model call in ``replace`` mode) sticks to one worker, so a session
     engine reuses its KV cache across the episode's turns; a new session goes to the worker with the
     fewest open sessions (this runner's, plus the others' that ``load()`` reported when the rollout
     started). A worker without ``generate_async`` is served through a ``BatchingSessionEngine``
@@ -64,7 +62,6 @@ class RayBackend:
         self.open_sessions = [0] * len(self.workers)  # this backend's sessions on each worker
         self._others = [0] * len(self.workers)  # other runners' sessions when the rollout started
 
-    # ------------------------------------------------------------------ async loop
     async def prepare(self) -> None:
         """Learn how many sessions other runners hold on each worker (once per rollout)."""
         import ray
@@ -119,22 +116,10 @@ class RayBackend:
             from envs.stepping import run_retrieval
 
             return await asyncio.to_thread(run_retrieval, list(requests))  # envs with in-process retrievers
-        ref = self.submit_retrieve(requests)
+        ref = self._submit_retrieve(requests)
         return self._expanded(ref, await ref)
 
-    # ------------------------------------------------------------------ wave loop
-
-    def submit_generate(self, prompts, sampling, stop_strings, max_new_tokens):
-        worker = self.workers[next(self._next_worker)]
-        return worker.generate.remote(prompts, sampling, list(stop_strings), int(max_new_tokens))
-
-    def submit_retrieve(self, requests: Sequence[RetrievalRequest]):
-        import ray
-
-        if not all(isinstance(r.retriever, ServiceRetriever) for r in requests):
-            from envs.stepping import run_retrieval
-
-            return ray.put(run_retrieval(list(requests)))  # envs with in-process retrievers
+    def _submit_retrieve(self, requests: Sequence[RetrievalRequest]):
         # One call per service and batch: group by (mode, k), deduplicate identical queries.
         by_service: dict[int, Any] = {}
         groups: dict[int, dict[tuple[str, int], dict[str, int]]] = {}
@@ -158,19 +143,8 @@ class RayBackend:
         self._expand[ref] = [(0, g, i) for _, g, i in plan] if len(refs) == 1 else plan
         return ref
 
-    def wait_one(self, futures):
-        import ray
-
-        ready, _ = ray.wait(list(futures), num_returns=1)
-        return ready[0]
-
-    def get(self, future):
-        import ray
-
-        return self._expanded(future, ray.get(future))
-
     def _expanded(self, future, value):
-        """Per request, its result out of the grouped answers of ``submit_retrieve``'s calls."""
+        """Per request, its result out of the grouped answers of ``_submit_retrieve``'s calls."""
         plan = self._expand.pop(future, None)
         if plan is None:
             return value
@@ -232,13 +206,20 @@ class EnvRunner:
         ``gold_passages`` (``{"id","title","text"}`` dicts) let the episode records carry the gold
         evidence texts that evidence overlap needs, without shipping the corpus to the runner.
         """
+        return self.rollout_with_stats(requests, sampling, gold_passages)[0]
+
+    def rollout_with_stats(self, requests: Sequence[EpisodeRequest], sampling=None,
+                           gold_passages: Sequence[dict] = ()) -> tuple[list, dict[str, int]]:
+        """``rollout``'s episodes and the call's retrieval counts (``MultiTurnRollout.retrieval_stats``:
+        requests, retrievals sent, memo hits, duplicates folded within a batch)."""
         from raggym.data import Passage
 
         corpus = {p["id"]: Passage(p["id"], p["title"], p["text"]) for p in gold_passages}
         questions = [r.question for r in requests]
         envs = [self._make(questions, corpus) for _ in requests]
         loop = MultiTurnRollout(self.backend, self.tokenizer, sampling, self.config)
-        return loop.run_episodes(envs, list(requests))
+        episodes = loop.run_episodes(envs, list(requests))
+        return episodes, dict(loop.retrieval_stats)
 
     def ping(self) -> bool:
         return True

@@ -4,8 +4,10 @@ Every method's episodes run here, on a local engine or on Ray actors; a *backend
 generation and retrieval run:
 
 - ``LocalBackend``: an engine object and the environments' own retrievers, in this process;
-- ``RayBackend`` (``actors.env_runner``): rollout-worker actors and the retrieval-service actors,
-  called asynchronously so that one wave's retrieval overlaps another wave's generation.
+- ``RayBackend`` (``actors.env_runner``): rollout-worker actors and the retrieval-service actors.
+
+Both implement ``RolloutBackend`` (below): ``generate`` one turn of a session, ``end_session``,
+``retrieve`` a batch.
 
 The loop drives environments only through their public batched-step protocol
 (``envs.stepping``): ``begin_step`` parses a segment into a finished step or a retrieval request,
@@ -21,22 +23,17 @@ Two kinds of environment, by ``context_mode``:
   sharing the episode's outcome. R1-Router's Step-GRPO resets such an env at a golden step
   (``EpisodeRequest.options``), so each of those episodes is exactly one call.
 
-Two ways to schedule the episodes (``RolloutConfig.loop``):
-
-- ``"async"`` (the default): every episode is its own asyncio coroutine that alternates an engine
-  request (``backend.generate``: one session per episode, or per model call in ``replace`` mode,
-  so a session engine reuses its KV cache across turns) and an environment step. No episode waits
-  for another, so a continuously batching engine always sees every episode that wants tokens.
-  Retrieval stays batched across episodes: a ``RetrievalBatcher`` collects the episodes' requests
-  until every live episode is waiting on retrieval, or for ``retrieval_batch_window_s`` at most,
-  and sends them as one batched (and de-duplicated) retrieval. Each turn samples with its own seed,
-  ``derive_seed`` of the run's seed, the episode's identity (prompt id, sample, step and its
-  occurrence among identical requests) and the turn number, so a rerun draws the same samples
-  whatever the timing, the batching or the engine replica.
-- ``"waves"``: the episodes are split into ``waves``. Each wave alternates: generate one segment
-  for its active episodes (one blocking ``generate``) -> ``begin_step`` -> retrieve for those that
-  searched -> ``finish_step`` -> append observation tokens (or start the next call's prompt) ->
-  generate again. With two or more waves in flight the engine and the retriever both have work.
+Every episode is its own asyncio coroutine that alternates an engine request
+(``backend.generate``: one session per episode, or per model call in ``replace`` mode, so a
+session engine such as vLLM's ``AsyncLLM`` reuses its prefix cache across turns) and an
+environment step. No episode waits for another, so a continuously batching engine always sees
+every episode that wants tokens. Retrieval stays batched across episodes: a ``RetrievalBatcher``
+collects the episodes' requests until every live episode is waiting on retrieval, or for
+``retrieval_batch_window_s`` at most, and sends them as one batched (and de-duplicated)
+retrieval. Each turn samples with its own seed, ``derive_seed`` of the run's seed, the episode's
+identity (prompt id, sample, step and its occurrence among identical requests) and the turn
+number, so a rerun draws the same samples whatever the timing, the batching or the engine
+replica (token-equal only on a batch-invariant engine: docs/runtime.md, "What reproduces").
 
 The token rules (exact sampled ids kept, observations tokenized once, loss mask 0 on prompt and
 observation tokens, response and observation caps) live in ``raggym.trajectory``. The loop adds
@@ -52,15 +49,14 @@ import hashlib
 import threading
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from envs.retrieval_memo import RetrievalMemo
 from envs.stepping import RetrievalRequest
 from envs.wrappers import batched_step_env
+from raggym.generation import GenerationResult, SamplingParams
 from raggym.seeding import derive_seed
 from raggym.trajectory import Rollout, RolloutBuilder, chat_prompt_ids
-
-LOOPS = ("async", "waves")
-
 
 @dataclass(frozen=True)
 class EpisodeRequest:
@@ -78,24 +74,20 @@ class RolloutConfig:
     max_response_tokens: int = 512  # model tokens per episode, all turns (calls) together
     max_turn_tokens: int = 256  # model tokens per segment (one generation call)
     max_observation_tokens: int = 512  # tokens kept of each observation
-    waves: int = 2  # "waves" loop: sub-batches in flight (pipelining generation against retrieval)
     # Tokens of one model context: prompt + model turns + observations (in "replace" mode, each
     # call's prompt and its sample). None: no cap beyond the response budget. A turn is cut to
     # the room left, an observation too, and the episode is truncated once the context is full.
     max_sequence_tokens: int | None = None
-    loop: str = "async"  # "async": one coroutine per episode; "waves": the wave loop
-    # "async" loop: how long the first pending retrieval waits for other episodes' requests before
+    # how long the first pending retrieval waits for other episodes' requests before
     # the batch goes out (it goes at once when every live episode is waiting on retrieval).
     retrieval_batch_window_s: float = 0.02
 
     def __post_init__(self):
-        for name in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens", "waves"):
+        for name in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.max_sequence_tokens is not None and self.max_sequence_tokens < 1:
             raise ValueError(f"RolloutConfig.max_sequence_tokens must be at least 1 or None, got {self.max_sequence_tokens}")
-        if self.loop not in LOOPS:
-            raise ValueError(f"RolloutConfig.loop must be one of {list(LOOPS)}, got {self.loop!r}")
         if self.retrieval_batch_window_s < 0:
             raise ValueError(f"RolloutConfig.retrieval_batch_window_s must be >= 0, got {self.retrieval_batch_window_s}")
 
@@ -110,20 +102,8 @@ class _Slot:
     done: bool = False
     used: int = 0  # model tokens sampled over the whole episode
     finished: list[RolloutBuilder] = field(default_factory=list)  # earlier calls (replace mode)
-    seed: int | None = None  # "async" loop: the episode's own seed (turn t samples with derive_seed(seed, t))
-    turn: int = 0  # "async" loop: model calls made so far
-
-
-@dataclass
-class _Wave:
-    slots: list[_Slot]
-    requests: list[tuple[_Slot, RetrievalRequest]] = field(default_factory=list)
-    generating: list[_Slot] = field(default_factory=list)
-    index: int = 0
-    turn: int = 0
-
-    def active(self) -> list[_Slot]:
-        return [s for s in self.slots if not s.done]
+    seed: int | None = None  # the episode's own seed (turn t samples with derive_seed(seed, t))
+    turn: int = 0  # model calls made so far
 
 
 def episode_seed(seed: int, request: EpisodeRequest, occurrence: int = 0) -> int:
@@ -169,17 +149,26 @@ class RetrievalBatcher:
     ``waiting_for()`` episodes (every live one) have submitted, or ``window_s`` after its first
     request. ``serial`` keeps one batch in flight at a time (in-process retrievers are not made
     for concurrent calls); requests that arrive meanwhile form the next batch.
+
+    A ``RetrievalMemo`` (``envs.retrieval_memo``; one per batcher, that is per rollout call) makes
+    every distinct (retriever, mode, k, query) one retrieval: a request identical to one already
+    answered or in flight is served that answer at once, without joining a batch, and identical
+    requests of one batch are sent once. ``memo.counts()`` says how many of each there were.
     """
 
     def __init__(self, retrieve: Callable[[list[RetrievalRequest]], Any], waiting_for: Callable[[], int],
-                 window_s: float, *, serial: bool):
+                 window_s: float, *, serial: bool, memo: RetrievalMemo | None = None):
         self._retrieve, self._waiting_for, self.window_s, self.serial = retrieve, waiting_for, float(window_s), serial
+        self.memo = RetrievalMemo() if memo is None else memo
         self._pending: list[tuple[RetrievalRequest, asyncio.Future]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._busy = False
-        self.batches: list[int] = []  # size of every batch sent (for tests and benchmarks)
+        self.batches: list[int] = []  # requests gathered in every batch sent (for tests and benchmarks)
 
     async def submit(self, request: RetrievalRequest):
+        known = self.memo.lookup(request)
+        if known is not None:  # an earlier batch's answer, or its retrieval in flight
+            return await asyncio.shield(known)  # shielded: one episode's cancellation is not the others'
         future = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         self.poke()
@@ -200,24 +189,39 @@ class RetrievalBatcher:
             return
         batch, self._pending = self._pending, []
         self.batches.append(len(batch))
+        owners = self.memo.fold([request for request, _ in batch])
+        loop = asyncio.get_running_loop()
+        shared: dict[int, asyncio.Future] = {}  # batch index of each request sent -> the memo's future
+        for i, owner in enumerate(owners):
+            if owner == i:
+                shared[i] = loop.create_future()
+                self.memo.store(batch[i][0], shared[i])
         self._busy = True
-        asyncio.get_running_loop().create_task(self._answer(batch))
+        loop.create_task(self._answer(batch, owners, shared))
 
-    async def _answer(self, batch) -> None:
+    async def _answer(self, batch, owners: list[int], shared: dict[int, asyncio.Future]) -> None:
+        sent = list(shared)
         try:
-            results = await self._retrieve([request for request, _ in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"retrieval returned {len(results)} results for {len(batch)} requests")
+            results = await self._retrieve([batch[i][0] for i in sent])
+            if len(results) != len(sent):
+                raise RuntimeError(f"retrieval returned {len(results)} results for {len(sent)} requests")
         except BaseException as exc:  # noqa: BLE001 - every waiting episode sees the failure
+            for i, future in shared.items():
+                self.memo.forget(batch[i][0])  # a later identical request retrieves again
+                future.set_exception(exc)
+                future.exception()  # retrieved: no "never retrieved" warning when no hit awaited it
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
-            for (_, future), result in zip(batch, results):
+            answer = {i: result for i, result in zip(sent, results)}
+            for i, future in shared.items():
+                future.set_result(answer[i])
+            for (_, future), owner in zip(batch, owners):
                 if not future.done():
-                    future.set_result(result)
+                    future.set_result(answer[owner])
         finally:
             self._busy = False
         if self._pending:  # what arrived while this batch was out goes next
@@ -226,13 +230,30 @@ class RetrievalBatcher:
                 self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
 
 
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """How the rollout loop reaches an engine and the retrievers (``LocalBackend``, ``RayBackend``).
+
+    ``generate`` is one turn of a session (``raggym.generation.SessionEngine.generate_async``);
+    ``retrieve`` answers a batch of requests, one result per request, in order. Optional:
+    ``serial_retrieval`` (one retrieval batch in flight at a time) and ``async prepare()``
+    (awaited once before the episodes start).
+    """
+
+    async def generate(self, session_id: str, context_token_ids: Sequence[int], sampling: SamplingParams | None,
+                       stop_strings: Sequence[str], max_new_tokens: int) -> GenerationResult: ...
+
+    def end_session(self, session_id: str) -> None: ...
+
+    async def retrieve(self, requests: Sequence[RetrievalRequest]) -> list: ...
+
+
 class LocalBackend:
     """Generation by an engine object, retrieval by each request's own retriever, in this process.
 
-    The wave loop calls ``submit_generate`` / ``submit_retrieve`` (synchronous). The async loop
-    awaits ``generate`` (the engine's ``generate_async`` when it is a ``SessionEngine``, else a
-    ``BatchingSessionEngine`` that gathers concurrent requests into ``generate`` calls) and
-    ``retrieve`` (on a thread, so that the engine keeps working while the retriever does).
+    ``generate`` awaits the engine's ``generate_async`` when it is a ``SessionEngine``, else a
+    ``BatchingSessionEngine`` that gathers concurrent requests into ``generate`` calls;
+    ``retrieve`` runs on a thread, so that the engine keeps working while the retriever does.
     """
 
     serial_retrieval = True
@@ -243,22 +264,6 @@ class LocalBackend:
         self.engine = engine
         self.sessions = as_session_engine(engine)
 
-    # ------------------------------------------------------------------ wave loop
-    def submit_generate(self, prompts, sampling, stop_strings, max_new_tokens):
-        return ("value", self.engine.generate(prompts, sampling, stop_strings, max_new_tokens))
-
-    def submit_retrieve(self, requests: Sequence[RetrievalRequest]):
-        from envs.stepping import run_retrieval
-
-        return ("value", run_retrieval(list(requests)))
-
-    def wait_one(self, futures):
-        return futures[0]
-
-    def get(self, future):
-        return future[1]
-
-    # ------------------------------------------------------------------ async loop
     async def generate(self, session_id: str, context_token_ids, sampling, stop_strings, max_new_tokens: int):
         return await self.sessions.generate_async(session_id, context_token_ids, sampling, stop_strings, max_new_tokens)
 
@@ -274,12 +279,15 @@ class LocalBackend:
 class MultiTurnRollout:
     """Run episodes to completion and return their ``Rollout`` records."""
 
-    def __init__(self, backend, tokenizer, sampling=None, config: RolloutConfig | None = None):
+    def __init__(self, backend: RolloutBackend, tokenizer, sampling: SamplingParams | None = None,
+                 config: RolloutConfig | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.config = config or RolloutConfig()
-        self.retrieval_batches: list[int] = []  # "async" loop: sizes of the last run's retrieval batches
+        self.retrieval_batches: list[int] = []  # sizes of the last run's retrieval batches
+        # the last run's retrieval counts (envs.retrieval_memo.COUNTERS): requests, sent, memo hits, folded
+        self.retrieval_stats: dict[str, int] = {}
 
     def run(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[Rollout]:
         """One rollout per episode in request order; in ``replace`` mode, one per model call.
@@ -291,8 +299,6 @@ class MultiTurnRollout:
 
     def run_episodes(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[list[Rollout]]:
         """Per request, the rollouts of its episode (one, or one per model call in ``replace`` mode)."""
-        if self.config.loop == "waves":
-            return self._run_waves(envs, requests)
         return run_coroutine(self.run_episodes_async(envs, requests))
 
     def _start_all(self, envs, requests) -> list[_Slot]:
@@ -303,7 +309,7 @@ class MultiTurnRollout:
 
     # ------------------------------------------------------------------ the async loop
     async def run_episodes_async(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[list[Rollout]]:
-        """``run_episodes`` with one coroutine per episode (``loop="async"``), awaitable."""
+        """``run_episodes``, awaitable: one coroutine per episode."""
         slots = self._start_all(envs, requests)
         seed = None if self.sampling is None else self.sampling.seed
         if seed is not None:
@@ -335,6 +341,7 @@ class MultiTurnRollout:
             for task in tasks:
                 task.cancel()
         self.retrieval_batches = list(batcher.batches)
+        self.retrieval_stats = batcher.memo.counts()
         return [self._finish(slot) for slot in slots]
 
     async def _run_episode(self, slot: _Slot, episode_id: str, batcher: RetrievalBatcher) -> None:
@@ -364,36 +371,6 @@ class MultiTurnRollout:
             if session_id is not None:
                 self.backend.end_session(session_id)
 
-    # ------------------------------------------------------------------ the wave loop
-    def _run_waves(self, envs: Sequence[Any], requests: Sequence[EpisodeRequest | Any]) -> list[list[Rollout]]:
-        slots = self._start_all(envs, requests)
-        n_waves = max(1, min(self.config.waves, len(slots)))
-        waves = [_Wave(slots[i::n_waves], index=i) for i in range(n_waves)]
-        outstanding: list = []
-        meta: dict[int, tuple[_Wave, str]] = {}
-
-        def submit(wave: _Wave, kind: str, fut):
-            outstanding.append(fut)
-            meta[id(fut)] = (wave, kind)
-
-        for wave in waves:
-            self._submit_generation(wave, submit)
-        while outstanding:
-            fut = self.backend.wait_one(outstanding)
-            outstanding.remove(fut)
-            wave, kind = meta.pop(id(fut))
-            value = self.backend.get(fut)
-            if kind == "generate":
-                self._apply_generation(wave, value)
-                if wave.requests:
-                    submit(wave, "retrieve", self.backend.submit_retrieve([r for _, r in wave.requests]))
-                else:
-                    self._submit_generation(wave, submit)
-            else:
-                self._apply_retrieval(wave, value)
-                self._submit_generation(wave, submit)
-        return [self._finish(slot) for slot in slots]
-
     # ------------------------------------------------------------------ episode bookkeeping
     def _start(self, env, request: EpisodeRequest) -> _Slot:
         stepper = batched_step_env(env)
@@ -417,38 +394,7 @@ class MultiTurnRollout:
         outcome = record.outcome() if record is not None else None
         return [b.finish(episode, outcome) for b in (*slot.finished, slot.builder)]
 
-    # ------------------------------------------------------------------ steps of a wave and of an episode
-    def _submit_generation(self, wave: _Wave, submit) -> None:
-        active = wave.active()
-        if not active:
-            return
-        # One engine call per wave, capped by the largest remaining budget; an episode with less
-        # budget left keeps only the prefix of its sample that fits (still exact sampled ids).
-        cap = min(self.config.max_turn_tokens, max(self._room(s) for s in active))
-        stop = list(active[0].stepper.stop_strings or ())
-        wave.generating = active
-        sampling = self.sampling
-        if sampling is not None and sampling.seed is not None:
-            # Engines seed prompt i of a call from (seed, i); key the call's seed by wave and turn
-            # so two copies of a question in different waves never share a random stream, and a
-            # rerun (or a resumed run) draws exactly the same samples.
-            sampling = replace(sampling, seed=derive_seed(sampling.seed, 1000 * wave.index + wave.turn))
-        wave.turn += 1
-        prompts = [list(s.builder.rollout.token_ids) for s in active]
-        submit(wave, "generate", self.backend.submit_generate(prompts, sampling, stop, cap))
-
-    def _apply_generation(self, wave: _Wave, results) -> None:
-        wave.requests = []
-        group: list[_Slot] = wave.generating
-        if len(results) != len(group):
-            raise RuntimeError(f"engine returned {len(results)} results for {len(group)} prompts")
-        for slot, res in zip(group, results):
-            outcome = self._apply_result(slot, res)
-            if isinstance(outcome, RetrievalRequest):
-                wave.requests.append((slot, outcome))
-            else:
-                self._after_step(slot, outcome)
-
+    # ------------------------------------------------------------------ steps of an episode
     def _apply_result(self, slot: _Slot, res):
         """Append one engine result to the episode (cut to its room) and begin the env step."""
         ids, logprobs, finish = list(res.token_ids), list(res.logprobs), res.finish_reason
@@ -459,11 +405,6 @@ class MultiTurnRollout:
                                            weight_version=getattr(res, "weight_version", 0))
         slot.used += len(ids)
         return slot.stepper.begin_step(text)
-
-    def _apply_retrieval(self, wave: _Wave, results) -> None:
-        for (slot, request), result in zip(wave.requests, results):
-            self._after_step(slot, slot.stepper.finish_step(request, result))
-        wave.requests = []
 
     def _sequence_room(self, builder: RolloutBuilder) -> int | None:
         """Tokens the model context can still take (None: no sequence cap)."""
@@ -511,5 +452,5 @@ class MultiTurnRollout:
             self._end_by_length(slot, "sequence_tokens")
 
 
-__all__ = ["LOOPS", "EpisodeRequest", "LocalBackend", "MultiTurnRollout", "RetrievalBatcher", "RolloutConfig",
+__all__ = ["EpisodeRequest", "LocalBackend", "MultiTurnRollout", "RetrievalBatcher", "RolloutBackend", "RolloutConfig",
            "episode_seed", "run_coroutine"]

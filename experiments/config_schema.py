@@ -7,7 +7,8 @@ for ``env.id``), ``rollout.engine_kwargs`` (the constructor of ``rollout.engine`
 Their schemas are built from those dataclasses and signatures, so they cannot drift from them: a
 schema maps each key to a typed ``Leaf``, a nested schema, an ``OptionalSection`` or a
 ``Forbidden`` key (one the trainer sets from elsewhere). ``open_section_errors`` also checks the
-names of the open registries (reward methods, advantage estimators, env ids, engines).
+names of the open registries (reward methods, advantage estimators, policy-loss terms, env ids,
+engines).
 """
 
 from __future__ import annotations
@@ -283,8 +284,29 @@ def _engine_kwargs_schema(c: dict) -> Optional[dict]:
     else:
         raise _BadKey("rollout.engine", f"unknown engine {name!r}; known: {[*known, *ENGINE_FACTORIES]} or "
                                         "'module:Class' (add one with actors.engines.register_engine)")
+    if name in ("vllm", "vllm-async"):
+        return _vllm_kwargs_schema(target)
     # a factory function's keyword arguments go wherever it sends them: accept any
     return _signature_schema(target, ("model", "tokenizer", "weight_version")) if isinstance(target, type) else None
+
+
+def _vllm_kwargs_schema(engine_class) -> Optional[dict]:
+    """A vLLM engine's keys: its own, ``engine_arguments``' and any of vLLM's ``EngineArgs`` fields
+    (which ``engine_arguments`` passes through), so a misspelt key fails here, not in the engine."""
+    from actors.engines.vllm_engine import engine_arguments
+
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except ImportError:  # no vLLM here: the engine will say so when it is built
+        return None
+    any_value = leaf_from_type(Any)
+    schema = {f.name: any_value for f in dataclasses.fields(AsyncEngineArgs)}
+    for target in (engine_class, engine_arguments):
+        params = inspect.signature(target).parameters.values()
+        schema.update({p.name: any_value for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)})
+    for supplied in ("self", "model", "tokenizer", "weight_version"):
+        schema.pop(supplied, None)
+    return schema
 
 
 _OPEN_SECTIONS: tuple[tuple[str, Callable[[dict], Optional[dict]]], ...] = (
@@ -296,6 +318,7 @@ _OPEN_SECTIONS: tuple[tuple[str, Callable[[dict], Optional[dict]]], ...] = (
 def open_section_errors(c: dict) -> list[tuple[str, str]]:
     """The registries' names and the keys of the open sections."""
     from raggym.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from raggym.algorithms.policy_loss import get_policy_loss_term
 
     errors = []
     if c["method"] not in _reward_methods():
@@ -304,6 +327,12 @@ def open_section_errors(c: dict) -> list[tuple[str, str]]:
     if c["advantage"]["estimator"] not in ADVANTAGE_ESTIMATORS:
         errors.append(("advantage.estimator", f"unknown estimator {c['advantage']['estimator']!r}; known: "
                        f"{sorted(ADVANTAGE_ESTIMATORS)} (add one with @register_advantage_estimator)"))
+    terms = get_path(c, ("learner", "loss", "terms"))
+    for term in terms if isinstance(terms, (list, tuple)) else ():  # anything else fails the schema below
+        try:
+            get_policy_loss_term(str(term))
+        except ValueError as exc:
+            errors.append(("learner.loss.terms", str(exc)))
     for path, build in _OPEN_SECTIONS:
         try:
             schema = build(c)

@@ -57,6 +57,7 @@ GRAPH_SYSTEMS = ("graph_only", "hybrid_only")
 DEFAULT_RESPONSE_TOKENS = 256
 DEFAULT_TURN_TOKENS = 96
 DEFAULT_BUDGET = 4
+EVAL_KV_CACHE_GIB = 1  # vLLM's KV cache per engine on a CPU (GiB): an evaluation's contexts are short
 CHUNK_QUESTIONS = 32  # questions per rollout call: larger engine batches; the progress bar moves once per call
 
 
@@ -456,15 +457,17 @@ def judged_correct(episodes: Sequence[dict], judge) -> list[bool | None]:
     return judge_many(judge, [(o.question, o.answer, o.gold_answers) for o in outcomes])
 
 
-def _eval_config(policy_path: str, dialect: str, *, workers: int, temperature: float, seed: int,
+def _eval_config(policy_path: str, dialect: str, *, engine: str, workers: int, temperature: float, seed: int,
                  max_response_tokens: int, max_turn_tokens: int, max_observation_tokens: int):
     from experiments.config import config_from_dict
 
+    engine_kwargs = {"kv_cache_gib": EVAL_KV_CACHE_GIB} if engine == "vllm-async" else {}
     return config_from_dict({
         "policy": {"model": policy_path}, "env": {"id": _env_id(dialect)}, "run": {"seed": int(seed)},
-        "rollout": {"workers": int(workers), "env_runners": 1, "group_size": 1, "temperature": float(temperature),
-                    "top_p": 1.0, "max_response_tokens": int(max_response_tokens), "max_turn_tokens": int(max_turn_tokens),
-                    "max_observation_tokens": int(max_observation_tokens), "waves": 2}})
+        "rollout": {"engine": engine, "engine_kwargs": engine_kwargs, "workers": int(workers), "env_runners": 1,
+                    "group_size": 1, "temperature": float(temperature), "top_p": 1.0,
+                    "max_response_tokens": int(max_response_tokens), "max_turn_tokens": int(max_turn_tokens),
+                    "max_observation_tokens": int(max_observation_tokens)}})
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -475,8 +478,8 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str | Path, *, dialect: str = "routerag",
              max_questions: int | None = None, max_response_tokens: int = DEFAULT_RESPONSE_TOKENS,
              max_turn_tokens: int = DEFAULT_TURN_TOKENS, top_k: int = 3, retrieval_budget: int = DEFAULT_BUDGET,
-             workers: int = 2, temperature: float = 0.0, seed: int = 0, show_progress: bool = True,
-             index_cache: str | Path | None = None, max_observation_tokens: int = 256,
+             engine: str = "vllm-async", workers: int = 1, temperature: float = 0.0, seed: int = 0,
+             show_progress: bool = True, index_cache: str | Path | None = None, max_observation_tokens: int = 256,
              judge: dict | None = None) -> dict:
     """Evaluate ``policy`` on ``datasets`` with ``systems``; write results under ``out_dir``.
 
@@ -526,7 +529,7 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
     answer_judge = make_judge(judge, policy_path)
     out = Path(out_dir)
     cache = Path(index_cache) if index_cache else cache_dir() / "indexes"
-    cfg = _eval_config(policy_path, dialect, workers=workers, temperature=temperature, seed=seed,
+    cfg = _eval_config(policy_path, dialect, engine=engine, workers=workers, temperature=temperature, seed=seed,
                        max_response_tokens=max_response_tokens, max_turn_tokens=max_turn_tokens,
                        max_observation_tokens=max_observation_tokens)
 
@@ -584,7 +587,7 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
     settings = {"policy": str(policy), "policy_path": policy_path, "dialect": dialect, "systems": systems,
                 "datasets": datasets, "max_questions": max_questions, "max_response_tokens": max_response_tokens,
                 "max_turn_tokens": max_turn_tokens, "max_observation_tokens": max_observation_tokens, "top_k": top_k,
-                "retrieval_budget": retrieval_budget, "workers": workers, "temperature": temperature, "seed": seed,
+                "retrieval_budget": retrieval_budget, "engine": engine, "workers": workers, "temperature": temperature, "seed": seed,
                 "judge": dict(judge) if judge else "em_or_f1 (EM = 1 or F1 >= 0.5)",
                 "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}}
     results = {"datasets": by_dataset, "average": average_over_datasets(by_dataset), "skipped": skipped,
@@ -662,7 +665,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-turn-tokens", type=_positive_int, default=DEFAULT_TURN_TOKENS)
     p.add_argument("--top-k", type=_positive_int, default=3)
     p.add_argument("--retrieval-budget", type=_non_negative_int, default=DEFAULT_BUDGET)
-    p.add_argument("--workers", type=_positive_int, default=2, help="rollout-worker actors (default 2)")
+    p.add_argument("--engine", choices=["vllm-async", "hf"], default="vllm-async",
+                   help="rollout engine: vllm-async (vLLM's AsyncLLM, the default) or hf (the reference engine)")
+    p.add_argument("--workers", type=_positive_int, default=1, help="rollout-worker actors (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic-seed", type=int, default=0)
@@ -704,7 +709,7 @@ def run(args) -> int:
     results = evaluate(args.policy, datasets_from_args(args), systems, args.out, dialect=args.dialect,
                        max_questions=args.max_questions, max_response_tokens=args.max_response_tokens,
                        max_turn_tokens=args.max_turn_tokens, top_k=args.top_k, retrieval_budget=args.retrieval_budget,
-                       workers=args.workers, temperature=args.temperature, seed=args.seed,
+                       engine=args.engine, workers=args.workers, temperature=args.temperature, seed=args.seed,
                        show_progress=not (args.no_progress or args.json), index_cache=args.index_cache,
                        judge={"engine": args.judge_engine, "model": args.judge_model} if args.judge_model else None)
     if args.json:

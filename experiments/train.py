@@ -99,22 +99,26 @@ def train(cfg) -> dict:
             t0 = time.perf_counter()
             # 1.-3. sample P prompts, roll out G samples each, score them; DAPO's dynamic sampling
             # resamples until P groups with non-uniform rewards are kept (at most max_rounds rounds).
-            kept, kept_rewards, dropped, rounds, stale_dropped = [], [], 0, 0, 0
+            kept, kept_rewards, dropped, rounds, stale_dropped = [], torch.zeros(0), 0, 0, 0
+            retrieval: dict[str, int] = {}  # the rollouts' retrieval counts, over the rounds
             for rounds in range(1, (max_rounds if dynamic_sampling else 1) + 1):
                 questions = [data.questions[i] for i in sampler.next_batch(P)]                      # 1. sample
                 tag = f"{step}" if rounds == 1 else f"{step}.{rounds - 1}"
                 requests = episode_requests(questions, tag, G, golden_steps)
                 rollouts = rt.rollout(requests, sampling_params(cfg, round_seed_index(step, rounds - 1)))  # 2. rollout
+                for name, value in (getattr(rt, "rollout_stats", None) or {}).items():
+                    retrieval[name] = retrieval.get(name, 0) + int(value)
                 # whole groups sampled by weights more than rollout.max_staleness versions old are dropped
                 rollouts, stale = bound_staleness(cfg, rollouts, rt.learners.version)
                 stale_dropped += int(stale["stale_rollouts_dropped"])
-                rewards = schedule(step)([r.outcome for r in rollouts])                           # 3. reward
-                keep = [True] * len(rollouts)
+                # 3. reward: the stage's batch reward, one float per rollout, a tensor from here on
+                rewards = torch.as_tensor(schedule(step)([r.outcome for r in rollouts]), dtype=torch.float32)
+                keep = torch.ones(len(rollouts), dtype=torch.bool)
                 if dynamic_sampling:
-                    keep = dynamic_sampling_filter(torch.tensor(rewards), [r.group_key for r in rollouts]).keep.tolist()
-                    dropped += P - sum(keep) // G
-                kept += [r for r, k in zip(rollouts, keep) if k]
-                kept_rewards += [float(x) for x, k in zip(rewards, keep) if k]
+                    keep = dynamic_sampling_filter(rewards, [r.group_key for r in rollouts]).keep
+                    dropped += P - int(keep.sum()) // G
+                kept += [rollouts[i] for i in keep.nonzero().flatten().tolist()]
+                kept_rewards = torch.cat([kept_rewards, rewards[keep]])
                 if len(kept) >= P * G:
                     break
             if dynamic_sampling:
@@ -124,13 +128,13 @@ def train(cfg) -> dict:
             # 4. advantages: the registered estimator over groups of identical (prompt id, step index)
             advantages = torch.zeros(0)
             if kept:
-                advantages = estimate_advantages(torch.tensor(kept_rewards, dtype=torch.float32),
-                                                 [r.group_key for r in kept], [r.outcome for r in kept], **adv)
+                advantages = estimate_advantages(kept_rewards, [r.group_key for r in kept], [r.outcome for r in kept], **adv)
                 routes, advantages = advantages.routes, advantages.advantages
             record = {"step": step + 1, "stage": schedule.stage_at(step), "method": cfg.method,
-                      **step_metrics(kept or rollouts, kept_rewards or rewards, advantages.tolist()),
+                      **step_metrics(kept or rollouts, kept_rewards if kept else rewards, advantages),
                       "sampling/rounds": rounds, "sampling/sampled_groups": P * rounds, "sampling/dropped_groups": dropped,
-                      "sampling/stale_rollouts_dropped": stale_dropped}
+                      "sampling/stale_rollouts_dropped": stale_dropped,
+                      **{f"rollout/{name}": value for name, value in retrieval.items()}}
 
             # 5. update, 6. sync (skipped when dynamic sampling kept no group with a learning signal)
             t2 = t3 = time.perf_counter()
@@ -138,7 +142,7 @@ def train(cfg) -> dict:
                 extra = teacher_fields(kept, rt.tokenizer, int(cfg.rollout.max_observation_tokens)) if teacher_kl else {}
                 if mode_slot:
                     extra.update(mode_choice_fields(kept, rt.tokenizer, mode_slot))
-                batch, fillers = assemble_batch(kept, advantages.tolist(), int(rt.tokenizer.pad_token_id), mini_batch, extra)
+                batch, fillers = assemble_batch(kept, advantages, int(rt.tokenizer.pad_token_id), mini_batch, extra)
                 learned = rt.learners.update(batch, step)                                          # 5. update
                 t2 = time.perf_counter()
                 synced = rt.sync_weights()                                                         # 6. sync
@@ -163,9 +167,10 @@ def train(cfg) -> dict:
                                "eval/retrievals_mean": held["retrieval_turns"], "eval/questions": held["n"]})
                 with (out_dir / "eval.jsonl").open("a", encoding="utf-8") as fh:
                     fh.write(json.dumps({"step": step + 1, **{k: v for k, v in record.items() if k.startswith("eval/")}}) + "\n")
-            logger.log(record, trajectories=[r.as_dict() for r in kept], rewards=kept_rewards, advantages=advantages.tolist())
+            logger.log(record, trajectories=[r.as_dict() for r in kept], rewards=kept_rewards.tolist(),
+                       advantages=advantages.tolist())
             if cfg.run.dump_trajectories:
-                dump_rollouts(out_dir, step + 1, kept, kept_rewards, advantages.tolist())
+                dump_rollouts(out_dir, step + 1, kept, kept_rewards.tolist(), advantages.tolist())
             every = int(cfg.run.checkpoint_every)
             if every > 0 and ((step + 1) % every == 0 or step + 1 == steps):
                 state = {"sampler": sampler.state_dict(), "weight_version": rt.learners.version,

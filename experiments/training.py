@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from envs.rollout import EpisodeRequest
 from experiments.config import ConfigError, mode_slot_of, to_plain
@@ -203,8 +204,9 @@ def reward_schedule(cfg):
     return schedule
 
 
-def step_metrics(rollouts: Sequence, rewards: Sequence[float], advantages: Sequence[float]) -> dict:
+def step_metrics(rollouts: Sequence, rewards: torch.Tensor | Sequence[float], advantages: torch.Tensor | Sequence[float]) -> dict:
     """What one step's batch did: reward, answers, searches, tokens (each read once from the outcome)."""
+    rewards, advantages = np.asarray(rewards, dtype=np.float64), np.asarray(advantages, dtype=np.float64)
     outcomes = [r.outcome for r in rollouts]
     env_rewards = [o.env_reward for o in outcomes if o.env_reward is not None]
     metrics = {

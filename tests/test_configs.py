@@ -57,7 +57,7 @@ def test_errors_in_a_file_name_the_file_and_types_are_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"advantage.estimator"):
         load_config(str(CONFIGS / "search_r1_tiny.yaml"), ["advantage.estimator=step_grpo"])
     with pytest.raises(ConfigError, match=r"rollout.workers: runtime local"):
-        load_config(str(CONFIGS / "cpu_tiny.yaml"), ["runtime=local"])
+        load_config(str(CONFIGS / "cpu_tiny.yaml"), ["runtime=local", "rollout.workers=2"])
 
 
 def test_full_configs_carry_the_papers_numbers():
@@ -148,6 +148,11 @@ def test_tiny_config_trains_one_step(method, tmp_path, shared_index):
         assert rec["sampling/dropped_groups"] == rec["sampling/sampled_groups"] == rec["sampling/rounds"]
         return
     assert {ln["episode"]["dialect"] for ln in lines} == {ENV_DIALECT[method]}
+    # the step's retrieval counts (envs/retrieval_memo.py): every search asked, each distinct one sent once
+    requests = rec["rollout/retrieval_requests"]
+    assert requests == sum(rec[f"rollout/retrieval_{k}"] for k in ("unique", "memo_hits", "batch_duplicates"))
+    if not rec.get("sampling/dropped_groups") and all("turns" in ln["episode"] for ln in lines):  # one rollout per episode
+        assert requests == sum(t["query"] is not None for ln in lines for t in ln["episode"]["turns"])
     # An untrained 135M policy often earns equal rewards in a group (zero advantages), so the
     # gradient may be zero; the optimizer step (AdamW decay) must still run and stay finite.
     assert math.isfinite(rec["learner/loss"]) and math.isfinite(rec["learner/grad_norm"])

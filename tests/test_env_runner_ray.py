@@ -38,7 +38,7 @@ def test_every_episode_gets_exactly_the_in_process_hits(ray_session, sharded_ind
         {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512})
     questions = small_world.questions[:6]
     requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in questions for g in range(3)]
-    episodes = ray.get(runner.rollout.remote(requests, SamplingParams(seed=11)), timeout=300)
+    episodes, stats = ray.get(runner.rollout_with_stats.remote(requests, SamplingParams(seed=11)), timeout=300)
 
     assert len(episodes) == len(requests)
     local = Retriever.load(sharded_index)
@@ -61,6 +61,15 @@ def test_every_episode_gets_exactly_the_in_process_hits(ray_session, sharded_ind
     # groups) and repeated (mode, query) pairs (de-duplicated to one query each).
     assert any(len({mode for mode, _ in s}) > 1 for s in searches_by_turn.values())
     assert any(max(Counter(s).values()) > 1 for s in searches_by_turn.values())
+    # The runner's retrieval memo (envs/retrieval_memo.py) asked the service once per distinct
+    # (mode, query) of the call, however the searches fell into batches; an episode that repeats its
+    # own first search is served from the memo (its first search's batch went out before).
+    searches = [search for turn in searches_by_turn.values() for search in turn]
+    assert stats["retrieval_requests"] == len(searches) == SEARCHES_PER_EPISODE * len(requests)
+    assert stats["retrieval_unique"] == len(set(searches))
+    assert stats["retrieval_memo_hits"] + stats["retrieval_batch_duplicates"] == len(searches) - len(set(searches))
+    repeats = sum(first == second for first, second in zip(searches_by_turn[0], searches_by_turn[1]))
+    assert repeats > 0 and stats["retrieval_memo_hits"] >= repeats
 
 
 def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_session, sharded_index, small_world, tmp_path):
@@ -89,3 +98,28 @@ def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_sessi
     alone = Runner.remote("raggym/RouteRAG-v0", service, workers[:1], "smollm2-135m", {"top_k": TOP_K}, config)
     same = ray.get(alone.rollout.remote(requests, SamplingParams(seed=11)), timeout=300)
     assert [[r.token_ids for r in e] for e in same] == [[r.token_ids for r in e] for e in episodes]
+
+
+def test_the_runtime_keeps_each_group_on_one_runner_and_sums_the_runners_counts(ray_session, sharded_index, small_world):
+    from experiments.runtime import RayRuntime
+
+    service, _, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
+    Worker = RolloutWorker.as_remote(num_cpus=0.25)
+    workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT)]
+    Runner = EnvRunner.as_remote(num_cpus=0.25)
+    config = {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512}
+    runners = [Runner.remote("raggym/RouteRAG-v0", service, workers, "smollm2-135m", {"top_k": TOP_K}, config)
+               for _ in range(2)]
+    # RayRuntime.rollout alone, over these runners (its constructor would start a whole run's actors)
+    runtime = object.__new__(RayRuntime)
+    runtime.learners, runtime.corpus, runtime.runners = None, None, lambda env_kwargs: runners
+    requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in small_world.questions[:3] for g in range(3)]
+    rollouts = runtime.rollout(requests, SamplingParams(seed=11))
+
+    assert [(r.prompt_id, r.sample_index) for r in rollouts] == [(r.prompt_id, r.sample_index) for r in requests]
+    searches = [(t["mode"], t["query"]) for r in rollouts for t in r.episode["turns"] if t["query"] is not None]
+    stats = runtime.rollout_stats
+    assert stats["retrieval_requests"] == len(searches) == SEARCHES_PER_EPISODE * len(requests)
+    # a group's samples ran on one runner: each distinct search was retrieved once in all
+    assert stats["retrieval_unique"] == len(set(searches))
+    assert stats["retrieval_memo_hits"] + stats["retrieval_batch_duplicates"] == len(searches) - len(set(searches))

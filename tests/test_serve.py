@@ -473,7 +473,8 @@ def test_resource_needs_of_the_app_and_the_fit_check(index):
     from experiments.serve import (
         DeploymentNeed, ResourcesUnavailable, build_app, check_resources, deployment_needs, total_need)
 
-    needs = deployment_needs(build_app({"index": index[0]}))
+    assert load_config({"index": "idx"}, env={})["app"]["engine"] == "vllm"  # the default engine
+    needs = deployment_needs(build_app({"index": index[0], "engine": "hf"}))
     assert [(n.deployment, n.replicas, n.per_replica) for n in needs] == [
         ("PolicyServer", 1, {"CPU": 1.0, "GPU": 0.0}), ("RetrievalServer", 1, {"CPU": 1.0, "GPU": 0.0}),
         ("AgentServer", 1, {"CPU": 0.5, "GPU": 0.0})]
@@ -499,7 +500,7 @@ def test_resource_needs_of_the_app_and_the_fit_check(index):
                                          "kv_cache_gib": "0.5"}, gpus_in_cluster=8))
     assert pinned[0].per_replica == {"CPU": 6.0, "GPU": 0.0}
     # replicas per deployment, fixed or autoscaling (counted with their minimum)
-    scaled = build_app({"index": index[0], "retrieval_replicas": "2", "ingress_replicas": 1, "ingress_max_replicas": 3,
+    scaled = build_app({"index": index[0], "engine": "hf", "retrieval_replicas": "2", "ingress_replicas": 1, "ingress_max_replicas": 3,
                         "max_episodes_in_flight": 16})
     needs = {n.deployment: n for n in deployment_needs(scaled)}
     assert needs["RetrievalServer"].replicas == 2 and needs["AgentServer"].replicas == 1
@@ -508,7 +509,7 @@ def test_resource_needs_of_the_app_and_the_fit_check(index):
     assert scaled._bound_deployment.max_ongoing_requests == 16 + 100  # refusals are answered, not queued
     with pytest.raises(ValueError, match="policy_max_replicas \\(2\\) must be 0 \\(no autoscaling\\) or at least "
                                          "policy_replicas \\(3\\)"):
-        build_app({"index": index[0], "policy_replicas": 3, "policy_max_replicas": 2})
+        build_app({"index": index[0], "engine": "hf", "policy_replicas": 3, "policy_max_replicas": 2})
     two = [DeploymentNeed("Wide", 2, {"CPU": 2.0})]
     with pytest.raises(ResourcesUnavailable, match=r"Wide needs 4 CPU \(2 per replica x 2\), but .* has 3 CPU free\. "):
         check_resources(two, {"CPU": 3.0}, {"CPU": 2.0})

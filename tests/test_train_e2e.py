@@ -1,4 +1,4 @@
-"""End to end on local Ray (CPU): GRPO steps with SmolLM2-135M, 2 HF rollout workers, a learner
+"""End to end on local Ray (CPU): GRPO steps with SmolLM2-135M on a vLLM rollout worker, a learner
 group of 2 (ZeRO-2, gloo) and the synthetic-world retrieval service; real kills and a resume as
 a Ray job submitted to a `ray start --head` cluster with token auth on.
 
@@ -6,12 +6,14 @@ The config is ``cpu_tiny.yaml`` with two changes that give the runs a learning s
 weight decay 0 (so parameters move only if the policy gradient is non-zero) and the test reward
 ``shorter_transcript`` of ``tests/e2e_trainer.py`` (registered through the public reward
 registry; the untrained SmolLM2 earns 0 under every built-in reward), and a third that makes
-token-exact resume a fair demand: ``rollout.loop: waves``. The async loop batches whatever
-requests are in flight, so a row's batch neighbours depend on timing, and on CPU a row's logits
-move by up to ~4e-5 with its neighbours (GEMM kernels chosen by row count, attention reductions by
-padding); now and then that flips a sampled token. Waves fix each batch's membership, so two runs
-of the same step batch identically. The trainer runs as its own
-process through that file, and as a Ray job.
+token-exact resume a fair demand: vLLM made batch-invariant, ``max_num_seqs: 1`` and no prefix
+cache (``BATCH_INVARIANT_VLLM``). As configured by default vLLM batches whatever requests are in
+flight, so a row's batch neighbours depend on timing, and on CPU a row's logits move by up to ~4e-5
+with its neighbours (GEMM kernels chosen by row count; a prefix-cached context is computed in other
+pieces than a fresh one); now and then that flips a sampled token. One sequence at a time, each
+context prefilled whole, two runs of the same step sample identically (measured: six seeded
+requests together, alone and in reverse order gave identical ids and log-probs, bit for bit).
+The trainer runs as its own process through that file, and as a Ray job.
 
 One cluster serves the module (started here, stopped here). Runs: A = 2 uninterrupted steps;
 B = the same run SIGKILLed right after its step-1 checkpoint is committed, restarted and SIGKILLed
@@ -47,6 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "experiments" / "configs" / "cpu_tiny.yaml"
 TRAINER = "tests/e2e_trainer.py"  # relative to the repository: the Ray job's working dir is a copy of it
 REWARD_METHOD = "shorter_transcript"
+# one sequence at a time, every context prefilled whole: samples independent of scheduling (docs/runtime.md)
+BATCH_INVARIANT_VLLM = {"kv_cache_gib": 1, "max_num_seqs": 1, "enable_prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,8 @@ def config_file(tmp_path_factory) -> Path:
     cfg["method"] = REWARD_METHOD
     cfg["reward"] = {"method": REWARD_METHOD}
     cfg["learner"].setdefault("optimizer", {})["weight_decay"] = 0.0
-    cfg["rollout"]["loop"] = "waves"  # batch membership fixed per step: resumed runs batch identically
+    # batch-invariant vLLM: a resumed step samples what the uninterrupted one did
+    cfg["rollout"].update({"engine": "vllm-async", "workers": 1, "engine_kwargs": BATCH_INVARIANT_VLLM})
     path = tmp_path_factory.mktemp("config") / "e2e.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path

@@ -2,10 +2,13 @@
 
 The head node runs in this machine's mount namespace; the worker node in its own
 (``unshare --mount``) with a private, empty ``/tmp``: a file the head writes under ``/tmp`` does
-not exist on the worker, as on two machines. Token auth is on. Custom resources put the index
-shard, the env runner and the learner (rank 0, which writes the checkpoint) on the worker node,
-and the rollout engine on the head; the trainer's driver runs on the head. The run's storage is a
-directory both nodes see (under /var/tmp, which the worker's namespace still shares).
+not exist on the worker, as on two machines. A real worker node has its own install of the code,
+so the checkout and its Python environment, where they lie under ``/tmp`` (a clone there), are
+bound back into the worker's ``/tmp`` at the same paths, and nothing else of the head's ``/tmp``.
+Token auth is on. Custom resources put the index shard, the env runner and the learner (rank 0,
+which writes the checkpoint) on the worker node, and the rollout engine on the head; the trainer's
+driver runs on the head. The run's storage is a directory both nodes see (under /var/tmp, which the
+worker's namespace still shares).
 
 Cases, on one cluster: a relative ``run.out_dir`` and one under the head's private ``/tmp``, each
 refused at start naming the problem; 2 GRPO steps uninterrupted, and the same run SIGKILLed after
@@ -25,6 +28,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -62,7 +66,48 @@ RAY_STARTUP_TIMEOUT = "The current node timed out during startup"
 TRAIN_TIMEOUT_S = 480  # one trainer launch: 1.5-3 min on this 2-core machine, 5 when it is shared
 REFUSAL_TIMEOUT_S = 180  # a launch that must stop at its storage check
 SHARED_PARENT = "/var/tmp"  # a directory both nodes see (the worker's /tmp is its own)
+PRIVATE_TMP = Path("/tmp")  # the directory the worker node has its own, empty copy of
 KEEP_LOGS_ENV = "RAGGYM_TWO_NODE_LOGS"  # a directory to copy the logs to before the cluster's storage is removed
+# The resumed step must sample what the uninterrupted one did, so the engine must be batch-invariant
+# (docs/runtime.md, "What reproduces needs"): vLLM one sequence at a time, every context prefilled whole.
+RESUME_EXACT_ENGINE = {"engine": "vllm-async",
+                       "engine_kwargs": {"kv_cache_gib": 1, "max_num_seqs": 1, "enable_prefix_caching": False}}
+
+
+def _install_paths_under_tmp() -> list[Path]:
+    """The checkout and the Python environment running it, where they lie under /tmp.
+
+    The worker node must see them at the same paths (the venv's scripts and its editable install name
+    them, and so do the module paths the driver passes), as a real node has its own install there. Each
+    path counts as written and resolved (either may be a symlink's); one inside another is covered by
+    that one's bind.
+    """
+    used = [REPO, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent]
+    paths = {p for q in used for p in (Path(os.path.abspath(q)), q.resolve())}
+    under = sorted(p for p in paths if p.is_relative_to(PRIVATE_TMP))
+    if PRIVATE_TMP in under:
+        pytest.fail(f"the checkout or its Python environment is /tmp itself ({used}): the worker node's /tmp "
+                    "could not be private")
+    return [p for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
+
+
+def _worker_node_command(ray_start: list[str]) -> str:
+    """The shell command the worker node runs in its own mount namespace: a fresh tmpfs on /tmp, into
+    which the install paths under /tmp are bound back, then ``ray start`` from the checkout.
+
+    Each path is opened before the tmpfs hides it and bound from that descriptor (``/proc/self/fd/N``,
+    not canonicalized: canonicalizing would resolve it to the new, empty directory).
+    """
+    binds = _install_paths_under_tmp()
+    fds = range(3, 3 + len(binds))
+    steps = [f"exec {' '.join(f'{fd}<{shlex.quote(str(p))}' for fd, p in zip(fds, binds))}"] if binds else []
+    steps.append(f"mount -t tmpfs tmpfs {PRIVATE_TMP}")
+    for fd, path in zip(fds, binds):
+        steps.append(f"mkdir -p {shlex.quote(str(path))} && "
+                     f"mount --no-canonicalize --bind /proc/self/fd/{fd} {shlex.quote(str(path))}")
+    steps.append(f"cd {shlex.quote(str(REPO))}")
+    close = "".join(f"{fd}<&- " for fd in fds)
+    return " && ".join(steps) + f" && exec {close}" + " ".join(shlex.quote(a) for a in ray_start)
 
 
 def _phase(name: str, t0: float) -> None:
@@ -137,9 +182,9 @@ def cluster():
         env=env, stdout=(logs / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     # The worker starts once the head has joined: started together, the two nodes' processes compete for
     # the two cores and the worker's raylet can miss Ray's registration deadline.
-    start_worker = lambda: " ".join([  # noqa: E731  (fresh ports for each attempt)
-        "mount -t tmpfs tmpfs /tmp &&", "exec", str(bin_dir / "ray"), "start", f"--address={address}", *node,
-        f"--resources='{json.dumps({WORKER_LABEL: 10})}'", f"--temp-dir={worker_tmp}", *ports()])
+    start_worker = lambda: _worker_node_command([  # noqa: E731  (fresh ports for each attempt)
+        str(bin_dir / "ray"), "start", f"--address={address}", *node,
+        f"--resources={json.dumps({WORKER_LABEL: 10})}", f"--temp-dir={worker_tmp}", *ports()])
     worker = None
     try:
         _wait_for_nodes(address, env, 1, {"head": (head, logs / "head.log")})
@@ -238,8 +283,8 @@ def config_file(cluster) -> Path:
     cfg["data"]["synthetic"] = {"seed": 0, "n_entities": 60, "n_questions": 8, "max_hops": 2}
     # the index is built once, by the first run, on the shared storage; the others reuse it
     cfg["data"]["index_dir"] = str(cluster[2] / "index")
-    cfg["rollout"].update({"workers": 1, "env_runners": 1, "prompts_per_step": 1, "group_size": 2, "waves": 1,
-                           "loop": "waves",  # batch membership fixed: the resumed step batches identically
+    cfg["rollout"].update({"workers": 1, "env_runners": 1, "prompts_per_step": 1, "group_size": 2,
+                           **RESUME_EXACT_ENGINE,
                            "max_response_tokens": 16, "max_turn_tokens": 16, "max_observation_tokens": 32})
     # a checkpoint (policy, fp32 weights and Adam moments) is ~2.2 GB: keep one per run
     cfg["run"]["keep_checkpoints"] = 1
@@ -333,7 +378,7 @@ def test_a_relative_run_dir_is_refused_on_a_two_node_cluster(cluster, config_fil
 def test_storage_a_node_cannot_see_is_refused_naming_that_node(cluster, config_file):
     """An absolute path under the head's /tmp: the worker node has its own, empty /tmp."""
     address, env, shared = cluster
-    private = Path(tempfile.mkdtemp(prefix="raggym-head-only-"))
+    private = Path(tempfile.mkdtemp(prefix="raggym-head-only-", dir=PRIVATE_TMP))
     t0 = time.monotonic()
     try:
         code, out = _train(config_file, private / "run", address, env, shared / "head_only.log", REFUSAL_TIMEOUT_S)

@@ -1,4 +1,5 @@
-"""Advantages, losses, KL estimators and span labelling as pure tensor functions.
+"""Advantages, losses, KL estimators and span labelling as pure tensor functions, and the
+registries that name them for a config (advantage estimators, policy-loss terms).
 
 Nothing here imports Ray, a model or an environment; see ``docs/algorithms.md`` for which paper
 equation each function implements.
@@ -38,6 +39,15 @@ from raggym.algorithms.losses import (
     teacher_topk,
     topk_forward_kl,
     topk_teacher_kl,
+)
+from raggym.algorithms.policy_loss import (
+    POLICY_LOSS_TERMS,
+    LossTerm,
+    PolicyLoss,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    get_policy_loss_term,
+    register_policy_loss_term,
 )
 from raggym.algorithms.spans import (
     DIALECT_TAGS,
@@ -88,6 +98,13 @@ __all__ = [
     "teacher_topk",
     "topk_forward_kl",
     "topk_teacher_kl",
+    "POLICY_LOSS_TERMS",
+    "LossTerm",
+    "PolicyLoss",
+    "PolicyLossConfig",
+    "PolicyLossInputs",
+    "get_policy_loss_term",
+    "register_policy_loss_term",
     "DIALECT_TAGS",
     "DIALECTS",
     "Segment",

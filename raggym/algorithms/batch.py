@@ -25,7 +25,7 @@ def _pad_rows(rows: Sequence[Sequence[float]], n: int, width: int, dtype) -> tor
 def make_train_batch(
     token_ids: Sequence[Sequence[int]],
     loss_masks: Sequence[Sequence[int]],
-    advantages: Sequence[float] | Sequence[Sequence[float]],
+    advantages: torch.Tensor | Sequence[float] | Sequence[Sequence[float]],
     old_logprobs: Sequence[Sequence[float]] | None = None,
     pad_token_id: int = 0,
     sampled_logprobs: Sequence[Sequence[float]] | None = None,
@@ -45,7 +45,9 @@ def make_train_batch(
         attn[i, : len(t)] = 1
     batch: TrainBatch = {"token_ids": ids, "attention_mask": attn,
                          "loss_mask": _pad_rows(loss_masks, n, width, torch.float32)}
-    if advantages and isinstance(advantages[0], (list, tuple)):
+    if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:  # one per sequence, as estimated
+        batch["advantages"] = advantages.detach().to(torch.float32).clone()
+    elif len(advantages) and isinstance(advantages[0], (list, tuple)):
         batch["advantages"] = _pad_rows(advantages, n, width, torch.float32)
     else:
         batch["advantages"] = torch.tensor([float(a) for a in advantages], dtype=torch.float32)
@@ -55,7 +57,7 @@ def make_train_batch(
     return batch
 
 
-def assemble_batch(rollouts: Sequence, advantages: Sequence[float], pad_token_id: int, multiple: int,
+def assemble_batch(rollouts: Sequence, advantages: torch.Tensor | Sequence[float], pad_token_id: int, multiple: int,
                    extra: TrainBatch | None = None) -> tuple[TrainBatch, int]:
     """A ``TrainBatch`` of ``rollouts`` padded with masked-out filler rows to a multiple of the
     mini-batch size; returns ``(batch, number of filler rows)``.
@@ -66,7 +68,7 @@ def assemble_batch(rollouts: Sequence, advantages: Sequence[float], pad_token_id
     equals one on the real rows; it only lets any number of sequences split into mini-batches
     (Step-GRPO's per-step sequences, DAPO's filtered groups).
     """
-    batch = make_train_batch([r.token_ids for r in rollouts], [r.loss_mask for r in rollouts], list(advantages),
+    batch = make_train_batch([r.token_ids for r in rollouts], [r.loss_mask for r in rollouts], advantages,
                              pad_token_id=pad_token_id, sampled_logprobs=[r.sampled_logprobs for r in rollouts])
     batch.update(extra or {})
     n = len(rollouts)
