@@ -84,6 +84,8 @@ def run_pipeline(args) -> int:
             "GRPO": f"stage 1 (EM) {settings.stage1_steps} steps, stage 2 (EM + efficiency, deterministic cost) "
                     f"{settings.stage2_steps} steps, {settings.prompts_per_step} prompts x G={settings.group_size}, "
                     f"rollout temperature {args.temperature}",
+            "rollout engine": run["rollout_engine"],
+            "engine-learner log-prob drift": drift_summary(run["train_metrics"]),
             "seconds": timings}
     images = plot(out, [run], settings.stage1_steps)
     report = write_report(out, evaluations=list(run["results"].items()), train_metrics=run["train_metrics"],
@@ -99,8 +101,19 @@ def run_pipeline(args) -> int:
             print(line)
         for e in effect:
             print(f"[demo] RL effect, {e['question_type']} questions, {e['metric']} ({e['decoding']}): {_change(e)}")
+        print(f"[demo] rollout engine {meta['rollout engine']}; engine-learner log-prob drift: "
+              f"{meta['engine-learner log-prob drift']}")
         print(f"[demo] report: {out / 'report.md'} (JSON: {out / 'report.json'}, plots: {out / 'plots'})")
     return 0
+
+
+def drift_summary(train_metrics: list[dict]) -> str:
+    """The worst per-step mean and max |engine log-prob - learner log-prob| over the RL steps."""
+    means = [m["learner/logprob_drift_mean"] for m in train_metrics if m.get("learner/logprob_drift_mean") is not None]
+    maxes = [m["learner/logprob_drift_max"] for m in train_metrics if m.get("learner/logprob_drift_max") is not None]
+    if not means:
+        return "not logged"
+    return f"per-token mean at most {max(means):.2e} over {len(means)} steps (max {max(maxes):.2e})"
 
 
 def demo_settings(args):

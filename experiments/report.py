@@ -114,10 +114,13 @@ def markdown_report(meta: dict, stages: list[str], rows: list[dict], train_metri
     for section in sections:
         lines += [section.rstrip(), ""]
     if train_metrics:
-        lines += ["## Training steps", "", "| step | stage | reward | EM | retrievals | answered | loss |", "|---|---|---|---|---|---|---|"]
+        # the drift: |engine log-prob - learner log-prob| of the sampled tokens, before the update
+        lines += ["## Training steps", "", "| step | stage | reward | EM | retrievals | answered | loss | "
+                  "log-prob drift mean | drift max |", "|---|---|---|---|---|---|---|---|---|"]
         for m in train_metrics:
             lines.append("| " + " | ".join(_fmt(m.get(k)) for k in ("step", "stage", "reward_mean", "em", "retrievals_mean",
-                                                                     "answered", "learner/loss")) + " |")
+                                                                     "answered", "learner/loss", "learner/logprob_drift_mean",
+                                                                     "learner/logprob_drift_max")) + " |")
     if plots:
         lines += ["", "## Curves", ""]
         lines += [f"![{name}]({path})" for name, path in plots.items()]

