@@ -204,7 +204,7 @@ def _serve_on_too_few_cpus(run_dir, index_dir, *extra: str) -> tuple[subprocess.
 
 
 def test_more_cpus_than_the_cluster_has_fails_fast_naming_the_deployment(run_dir, index_dir):
-    result, elapsed = _serve_on_too_few_cpus(run_dir, index_dir, "--num-cpus", "1")
+    result, elapsed = _serve_on_too_few_cpus(run_dir, index_dir, "--num-cpus", "1", "--engine", "hf")
     assert result.returncode == 2, result.stderr[-3000:]
     assert ("raggym serve: error: deployment RetrievalServer needs 1 CPU (1 per replica x 1), but the private Ray "
             "(--num-cpus 1) has 1 CPU free, and PolicyServer (1 CPU per replica x 1) takes 1 of it. The app needs 2.5 CPU "
