@@ -470,6 +470,19 @@ def _eval_config(policy_path: str, dialect: str, *, engine: str, workers: int, t
                     "max_observation_tokens": int(max_observation_tokens)}})
 
 
+def _check_given_runtime(runtime, cfg, datasets: list[dict]) -> None:
+    """An open runtime evaluates one dataset (its retrieval serves one corpus) under the episode
+    limits asked for here: a mismatch would silently change what is measured."""
+    if len(datasets) != 1:
+        raise ValueError(f"evaluate on a given runtime takes one dataset (its retrieval serves one corpus), got {len(datasets)}")
+    for key in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens"):
+        theirs, ours = int(runtime.cfg.rollout[key]), int(cfg.rollout[key])
+        if theirs != ours:
+            raise ValueError(f"evaluate: the given runtime was built with rollout.{key}={theirs}, this evaluation asks for {ours}")
+    if runtime.cfg.env.id != cfg.env.id:
+        raise ValueError(f"evaluate: the given runtime runs {runtime.cfg.env.id}, this evaluation's dialect needs {cfg.env.id}")
+
+
 def _positive(name: str, value, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
         raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}")
@@ -480,8 +493,13 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
              max_turn_tokens: int = DEFAULT_TURN_TOKENS, top_k: int = 3, retrieval_budget: int = DEFAULT_BUDGET,
              engine: str = "vllm-async", workers: int = 1, temperature: float = 0.0, seed: int = 0,
              show_progress: bool = True, index_cache: str | Path | None = None, max_observation_tokens: int = 256,
-             judge: dict | None = None) -> dict:
+             judge: dict | None = None, runtime=None) -> dict:
     """Evaluate ``policy`` on ``datasets`` with ``systems``; write results under ``out_dir``.
+
+    ``runtime``: an open runtime (``experiments.train.open_runtime``) whose engines hold ``policy``
+    and whose retrieval serves the one dataset, to evaluate on and leave open (a pipeline that
+    alternates training and evaluation keeps one engine); by default each dataset gets a runtime
+    of its own, with ``engine`` and ``workers``.
 
     ``judge`` is a judge section (``raggym.judge.JudgeConfig`` keys; ``model: policy`` is the
     evaluated policy): the LLM judge decides ``correct``; None falls back to EM or F1 ≥ 0.5.
@@ -532,10 +550,13 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
     cfg = _eval_config(policy_path, dialect, engine=engine, workers=workers, temperature=temperature, seed=seed,
                        max_response_tokens=max_response_tokens, max_turn_tokens=max_turn_tokens,
                        max_observation_tokens=max_observation_tokens)
+    if runtime is not None:
+        _check_given_runtime(runtime, cfg, datasets)
+        engine, workers = str(runtime.cfg.rollout.engine), int(runtime.cfg.rollout.workers)
 
     # Logical CPUs: enough for every actor's fractional request (service, shards, graph replica,
     # workers at 0.5, one runner per system at 0.25), whatever the core count.
-    own_ray = init_ray(min_cpus=max(4, int(3 + 0.5 * workers + 0.25 * len(systems) + 1)))
+    own_ray = runtime is None and init_ray(min_cpus=max(4, int(3 + 0.5 * workers + 0.25 * len(systems) + 1)))
     by_dataset: dict[str, dict[str, dict]] = {}
     skipped: list[dict] = []
     notes: list[str] = []
@@ -554,7 +575,7 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
             if not plan:
                 continue
             t0 = time.perf_counter()
-            rt = RayRuntime(cfg, {TEXT_KB: index_dir}, corpus, with_learners=False)
+            rt = runtime if runtime is not None else RayRuntime(cfg, {TEXT_KB: index_dir}, corpus, with_learners=False)
             timing["runtime_start"] = round(time.perf_counter() - t0, 2)
             try:
                 systems_kwargs = {}
@@ -580,7 +601,8 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
                                 ({"dataset": d["name"], "system": system, "question_id": t["episode"].get("question_id"),
                                   **t} for t in episodes))
             finally:
-                rt.shutdown()
+                if runtime is None:
+                    rt.shutdown()
     finally:
         if own_ray:
             ray.shutdown()

@@ -256,13 +256,15 @@ def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
     return rows
 
 
-def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict, samples: int = 1) -> tuple[dict, dict]:
+def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict, samples: int = 1,
+                    runtime=None) -> tuple[dict, dict]:
     """Held-out evaluation of ``policy`` (greedy unless ``eval_kwargs`` sets a temperature;
-    ``samples`` episodes per question): (per-type metrics, ``evaluate``'s results)."""
+    ``samples`` episodes per question), on ``runtime`` when given (its engines hold ``policy``):
+    (per-type metrics, ``evaluate``'s results)."""
     from experiments.evaluate import evaluate
     from experiments.report import read_jsonl
 
-    results = evaluate(policy, task.heldout_dataset(samples), ["agent"], out, **eval_kwargs)
+    results = evaluate(policy, task.heldout_dataset(samples), ["agent"], out, **eval_kwargs, runtime=runtime)
     return typed_metrics(read_jsonl(out / "trajectories" / "routing-heldout__agent.jsonl"), task.kinds), results
 
 
@@ -341,7 +343,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
 
     With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
     ``task_key`` must match the earlier seed's task settings)."""
-    from experiments.train import load_config, train
+    from experiments.train import load_config, open_runtime, train
     from experiments.report import read_jsonl
     from raggym.models import load_policy_tokenizer
     from raggym.retrieval import Retriever
@@ -362,7 +364,8 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
 
     def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
         t = time.perf_counter()
-        evals[stage], results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder, {**eval_kwargs, "seed": seed})
+        evals[stage], results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder, {**eval_kwargs, "seed": seed},
+                                                       runtime=runtime)
         # The logit-read mode choice beside the greedy evaluation: it moves with every update,
         # where greedy decoding shows a preference only once it crosses one half.
         for kind, value in preference_by_type(policy_dir, tokenizer, probes).items():
@@ -370,10 +373,8 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
         if s.eval_samples > 0:
             sampled[stage], _ = evaluate_policy(policy_dir, task, out / "eval" / f"{folder}_sampled",
                                                 {**eval_kwargs, "seed": seed, "temperature": s.eval_temperature},
-                                                samples=s.eval_samples)
+                                                samples=s.eval_samples, runtime=runtime)
         timings[f"eval_{folder}"] = round(time.perf_counter() - t, 1)
-
-    evaluate_stage("after SFT", sft["policy_dir"], "sft")
 
     run_dir = out / "grpo"
     total = s.stage1_steps + s.stage2_steps
@@ -386,13 +387,24 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     if s.lr is not None:
         base.append(f"learner.optimizer.lr={s.lr}")
     base += list(s.overrides)
-    for stage, steps in (("stage 1", s.stage1_steps), ("stage 2", total)):
-        t0 = time.perf_counter()
-        # Stage 2 resumes stage 1's run (learner, optimizer and sampler state) and goes on to
-        # ``total`` steps; its reward switches at ``stage2_start``.
-        train(load_config(str(RL_CONFIG), [*base, f"run.steps={steps}", "run.resume=true"]))
-        timings[stage.replace(" ", "")] = round(time.perf_counter() - t0, 1)
-        evaluate_stage(f"after {stage}", str(run_dir), stage.replace(" ", ""))
+    # Stage 2 resumes stage 1's run (learner, optimizer and sampler state) and goes on to ``total``
+    # steps; its reward switches at ``stage2_start``.
+    stages = {stage: load_config(str(RL_CONFIG), [*base, f"run.steps={steps}", "run.resume=true"])
+              for stage, steps in (("stage 1", s.stage1_steps), ("stage 2", total))}
+    # One runtime (rollout engine, learner group, retrieval) for every stage and evaluation: a
+    # vLLM engine start costs 20-40 s here, and the engine holds the latest weights already.
+    t0 = time.perf_counter()
+    runtime = open_runtime(stages["stage 1"])
+    timings["runtime_start"] = round(time.perf_counter() - t0, 1)
+    try:
+        evaluate_stage("after SFT", sft["policy_dir"], "sft")
+        for stage, cfg in stages.items():
+            t0 = time.perf_counter()
+            train(cfg, runtime=runtime)
+            timings[stage.replace(" ", "")] = round(time.perf_counter() - t0, 1)
+            evaluate_stage(f"after {stage}", str(run_dir), stage.replace(" ", ""))
+    finally:
+        runtime.shutdown()
     return {"seed": seed, "evaluations": evals, "sampled_evaluations": sampled, "results": results,
             "curves": training_curves(run_dir / "trajectories", task.kinds),
             "train_metrics": read_jsonl(run_dir / "metrics.jsonl"),

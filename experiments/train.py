@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+from omegaconf import OmegaConf
 
 from experiments.config import ConfigError, load_config, to_plain, validate_config
 from experiments.training import (episode_requests, golden_steps_for, latest_checkpoint, load_run_data,
@@ -33,11 +34,44 @@ from experiments.training import (episode_requests, golden_steps_for, latest_che
                                   mode_choice_slot)
 
 
-def train(cfg) -> dict:
-    """Run ``cfg`` (from ``load_config``) to ``run.steps``; returns the last step's record."""
+def open_runtime(cfg):
+    """The runtime ``train(cfg)`` would build (engines, env runners, retrieval, learners), for a
+    caller that runs several trainings and evaluations on one engine and one learner group:
+    ``train(cfg_i, runtime=rt)`` for each stage, ``experiments.evaluate.evaluate(..., runtime=rt)``
+    between them. The caller shuts it down. Not for runs with an SFT cold start (the cold start
+    decides the policy the runtime would load)."""
+    from actors.cluster import init_ray
+    from experiments.runtime import make_runtime, takes_knowledge_bases
+
+    validate_config(cfg)
+    if cfg.sft.enabled:
+        raise ValueError("open_runtime: this run starts with an SFT cold start (sft.enabled), which decides the "
+                         "policy its runtime loads; let train(cfg) build the runtime")
+    if cfg.runtime == "ray":
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    data = load_run_data(cfg, open_run_storage(cfg), multi_kb=takes_knowledge_bases(cfg.env.id))
+    return make_runtime(cfg, data.index_dirs, data.corpus)
+
+
+def _check_shared_runtime(runtime, cfg) -> None:
+    """A runtime from ``open_runtime`` must serve this run: the same policy, engine and rollout limits."""
+    theirs, ours = runtime.cfg, cfg
+    for key in ("policy.model", "rollout.engine", "rollout.max_response_tokens", "rollout.max_turn_tokens",
+                "rollout.max_observation_tokens", "env.id", "runtime"):
+        a, b = OmegaConf.select(theirs, key), OmegaConf.select(ours, key)
+        if a != b:
+            raise ValueError(f"train: the given runtime was built with {key}={a!r}, this run has {key}={b!r}")
+    if runtime.learners is None:
+        raise ValueError("train: the given runtime has no learners (it was built for evaluation only)")
+
+
+def train(cfg, runtime=None) -> dict:
+    """Run ``cfg`` (from ``load_config``) to ``run.steps``; returns the last step's record.
+
+    ``runtime``: an open runtime from ``open_runtime`` to train on and leave open (the next stage
+    resumes on it with ``run.resume=true``); by default the run builds its own and shuts it down."""
     import copy
 
-    from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
     from actors.cluster import init_ray
@@ -72,13 +106,17 @@ def train(cfg) -> dict:
 
     data = load_run_data(cfg, storage, multi_kb=takes_knowledge_bases(cfg.env.id))
     schedule = reward_schedule(cfg)  # before the cold start: a judge's "policy" is the base model
+    if runtime is not None:
+        _check_shared_runtime(runtime, cfg)
+        if cfg.sft.enabled:
+            raise ValueError("train: a run with an SFT cold start (sft.enabled) builds its own runtime")
     sft = sft_cold_start(cfg, storage, data)
     if sft is not None:
         cfg.policy.model = str(sft["policy_dir"])  # RL starts from the SFT policy
     golden_steps = golden_steps_for(cfg, data.questions)  # Step-GRPO: teacher-forced step groups
     mini_batch = LearnerConfig.from_dict(learner_config(cfg)).mini_batch_size
     sampler = PromptSampler(len(data.questions), int(cfg.run.seed))
-    rt = make_runtime(cfg, data.index_dirs, data.corpus)
+    rt = runtime if runtime is not None else make_runtime(cfg, data.index_dirs, data.corpus)
     logger = MetricsLogger(out_dir)
     start_step, last = 0, {}
     try:
@@ -93,6 +131,9 @@ def train(cfg) -> dict:
             logger.rewind(start_step)  # steps logged after this checkpoint are about to be redone
             rt.sync_weights()
             print(f"[train] resumed from {ckpt} at step {start_step}", flush=True)
+        elif runtime is not None and rt.learners.version != 0:
+            raise ValueError(f"train: the given runtime's learners have taken {rt.learners.version} steps and "
+                             f"{storage.uri()} has no checkpoint to resume from (run.resume=true with one)")
 
         bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="train", unit="step")
         for step in bar:
@@ -182,7 +223,8 @@ def train(cfg) -> dict:
         return last
     finally:
         logger.close()
-        rt.shutdown()
+        if runtime is None:
+            rt.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

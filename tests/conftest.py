@@ -7,7 +7,10 @@ than a GPU one fails. A GPU skip is one whose reason starts with ``GPU_SKIP_PREF
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,28 @@ def hf_engine():
 
     torch.manual_seed(0)
     return HFEngine("smollm2-135m")
+
+
+# ----------------------------------------------------------------------------- memory between modules
+
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+
+
+def return_memory_to_os() -> None:
+    """Collect garbage and hand the allocator's free pages back to the OS (glibc's malloc_trim)."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _return_memory_after_each_module():
+    """Give a module's freed memory back to the OS before the next module starts.
+
+    Two pytest workers share 24 GB with the Ray actors and vLLM processes the tests start, and a
+    worker runs many modules in one process: without this, what earlier modules loaded (models,
+    optimizer states) stays in the allocator's arenas and the worker grows to several GB, which
+    once pushed the node past Ray's memory threshold when two heavy modules overlapped (measured
+    peak of `make test`: 21.7 GB without, 19.5 GB with)."""
+    yield
+    return_memory_to_os()

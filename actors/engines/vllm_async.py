@@ -29,7 +29,7 @@ from actors.engines.vllm_engine import (
     VLLMUnavailableError,
     check_logprobs_mode,
     engine_arguments,
-    flat_weights_payload,
+    flat_weights_file,
     import_vllm,
     prefix_cache_counters,
     result_of,
@@ -142,13 +142,13 @@ class AsyncVLLMEngine:
 
     async def update_weights(self, named_tensors, version: int | None = None) -> int:
         """Object-store path: load ``FlatWeights`` (or named tensors) into every vLLM worker."""
-        header, payload, new_version = flat_weights_payload(named_tensors, version, self.weight_version)
+        with flat_weights_file(named_tensors, version, self.weight_version) as (header, path, new_version):
 
-        async def load():
-            await self.engine.collective_rpc("raggym_load_flat_weights", args=(header, payload))
-            return new_version
+            async def load():
+                await self.engine.collective_rpc("raggym_load_flat_weights_file", args=(header, path))
+                return new_version
 
-        return await self._paused(load)
+            return await self._paused(load)
 
     async def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> None:
         await self.engine.collective_rpc("raggym_init_weight_sync", args=(host, int(port), int(rank_offset), int(world_size), backend))

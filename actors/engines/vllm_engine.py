@@ -32,17 +32,19 @@ that ``raggym.models.converted_checkpoint`` writes; local HF dirs and hub ids lo
 
 Weights: vLLM's workers run in their own processes, so updates go through ``collective_rpc``
 into ``actors.engines.vllm_worker.WeightSyncWorkerExtension``: either a packed ``FlatWeights``
-buffer sent as bytes (object-store path), or a ``WeightSyncGroup`` broadcast (gloo on CPU,
-pynccl on GPU). The prefix cache is reset after every update, since its KV blocks were computed
+buffer in a file the workers map (object-store path; ``flat_weights_file``), or a
+``WeightSyncGroup`` broadcast (gloo on CPU, pynccl on GPU). The prefix cache is reset after every update, since its KV blocks were computed
 with the old weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Sequence
-
+import shutil
+import tempfile
+from typing import Iterator, Sequence
 
 from actors.engines.base import GenerationResult, SamplingParams, check_prompts, derive_seed
 from actors.weight_sync import FlatWeights, named_tensors_of
@@ -177,18 +179,34 @@ def check_logprobs_mode(sampling: SamplingParams) -> None:
         raise ValueError(f"vLLM engines report the processed distribution's logprobs; asked for {sampling.logprobs_mode!r}")
 
 
-def flat_weights_payload(named_tensors, version: int | None, current_version: int) -> tuple[str, bytes, int]:
-    """``(header, payload, version)`` for ``raggym_load_flat_weights``: the tensors packed into one
-    buffer (``FlatWeights``) sent as bytes (a tensor argument reaches vLLM's worker as a list),
-    with a JSON header; the version is ``version`` if given, else the payload's, else
-    ``current_version + 1``."""
+@contextlib.contextmanager
+def flat_weights_file(named_tensors, version: int | None, current_version: int) -> Iterator[tuple[str, str, int]]:
+    """``(header, path, version)`` for ``raggym_load_flat_weights_file``: the tensors packed into
+    one buffer (``FlatWeights``), written to a file that is removed on exit, with a JSON header;
+    the version is ``version`` if given, else the payload's, else ``current_version + 1``.
+
+    vLLM's worker processes run on the engine's node (raggym starts them with vLLM's own
+    ``mp``/uniproc executors), so they map the file rather than receive the buffer through the
+    RPC, which pickles it across two process hops: for SmolLM2's 538 MB, 1.0 s instead of 3.8 s
+    here (docs/benchmarks.md). The file goes to ``/dev/shm`` (memory) when it has room."""
     if isinstance(named_tensors, FlatWeights):
         flat = named_tensors
     else:
         pairs, _ = named_tensors_of(named_tensors)
         flat = FlatWeights.from_named_tensors(list(pairs), version if version is not None else current_version + 1)
-    header = json.dumps([s.to_json() for s in flat.specs])
-    return header, flat.buffer.tobytes(), int(version if version is not None else flat.version)
+    folder = None  # the system's temp folder
+    if os.path.isdir(SHARED_MEMORY) and shutil.disk_usage(SHARED_MEMORY).free > 1.2 * flat.nbytes:
+        folder = SHARED_MEMORY
+    fd, path = tempfile.mkstemp(prefix="raggym-weights-", suffix=".bin", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            flat.buffer.tofile(fh)
+        yield json.dumps([s.to_json() for s in flat.specs]), path, int(version if version is not None else flat.version)
+    finally:
+        os.unlink(path)
+
+
+SHARED_MEMORY = "/dev/shm"
 
 
 def prefix_cache_counters(metrics) -> dict[str, int]:
@@ -245,8 +263,8 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors, version: int | None = None) -> int:
         """Load new weights into every vLLM worker through the object-store payload."""
-        header, payload, new_version = flat_weights_payload(named_tensors, version, self.weight_version)
-        self.llm.collective_rpc("raggym_load_flat_weights", args=(header, payload))
+        with flat_weights_file(named_tensors, version, self.weight_version) as (header, path, new_version):
+            self.llm.collective_rpc("raggym_load_flat_weights_file", args=(header, path))
         self.llm.reset_prefix_cache()
         self.weight_version = new_version
         return self.weight_version
@@ -287,7 +305,7 @@ __all__ = [
     "WORKER_EXTENSION",
     "engine_arguments",
     "finish_of",
-    "flat_weights_payload",
+    "flat_weights_file",
     "import_vllm",
     "prefix_cache_counters",
     "result_of",

@@ -19,8 +19,9 @@ only points at the same tensor, so the head would keep sampling from the old emb
 mean log-prob drift 0.75 after perturbing only the embedding). ``_retie_output_head`` points the
 head at the reloaded tensor and packs it again (on GPU the packing step does nothing).
 
-Arguments cross the RPC as plain data: a tensor argument reaches the worker as a list, so the
-object-store path sends ``FlatWeights``' buffer as ``bytes``.
+Arguments cross the RPC as plain data (a tensor argument reaches the worker as a list), and a
+0.5 GB ``bytes`` argument is pickled across two process hops (3.8 s for SmolLM2 here), so the
+object-store path passes the path of a file holding ``FlatWeights``' buffer, which the worker maps.
 
 This module must stay importable without vllm (it only touches vllm objects through ``self``).
 """
@@ -28,6 +29,7 @@ This module must stay importable without vllm (it only touches vllm objects thro
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import torch
@@ -59,11 +61,15 @@ class WeightSyncWorkerExtension:
         head.weight = embed.weight
         head.quant_method.process_weights_after_loading(head)
 
-    def raggym_load_flat_weights(self, header: str, payload: bytes) -> int:
-        """Object-store path: load a packed ``FlatWeights`` buffer; returns how many tensors."""
+    def raggym_load_flat_weights_file(self, header: str, path: str) -> int:
+        """Object-store path: load the packed ``FlatWeights`` buffer that the engine wrote to ``path``
+        (``vllm_engine.flat_weights_file``) on this node; returns how many tensors."""
+        if not os.path.exists(path):
+            raise RuntimeError(f"vLLM worker cannot see the weight file {path}: the object-store weight path needs vLLM's "
+                               "workers on the engine's node; with workers on other nodes sync through the collective path")
         specs = [TensorSpec.from_json(s) for s in json.loads(header)]
-        flat = FlatWeights(version=-1, specs=specs, buffer=np.frombuffer(payload, dtype=np.uint8))
-        loaded = self._raggym_reload(flat.named_tensors())
+        buffer = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants a writable buffer
+        loaded = self._raggym_reload(FlatWeights(version=-1, specs=specs, buffer=buffer).named_tensors())
         if loaded != len(specs):
             raise RuntimeError(f"vLLM worker loaded {loaded} of {len(specs)} tensors")
         return loaded
