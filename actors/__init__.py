@@ -5,6 +5,7 @@
 - ``actors.engines``: ``HFEngine``, ``VLLMEngine``, ``RolloutWorker``
 - ``actors.learner``: ``Learner`` / ``LearnerGroup`` (DeepSpeed), ``actors.weight_sync``
 - ``actors.registry``: RLlib env registration
+- ``actors.runtime``: ``RayRuntime`` / ``LocalRuntime``, the above composed into what a run drives
 
 Submodules are imported on use, so ``import actors`` stays cheap.
 """

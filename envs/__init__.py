@@ -25,6 +25,7 @@ survive batched stepping.
 
 import gymnasium
 
+from envs.batching import step_batch
 from envs.multi_kb_route_env import MultiKBRouteEnv, golden_steps
 from envs.questions import QuestionPicker
 from envs.rag_search_env import RagSearchEnv
@@ -38,7 +39,6 @@ from envs.stepping import (
     RetrievalRequest,
     StepResult,
     run_retrieval,
-    step_batch,
     step_through,
 )
 from envs.wrappers import BatchedStepWrapper, batched_step_env

@@ -58,12 +58,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from envs.questions import QuestionPicker, QuestionSource, gold_passage_texts
+from envs.questions import QuestionSource, gold_passage_texts
 from envs.records import RouteEpisodeRecord, RouteStepRecord
 from envs.retriever import Retriever, check_retriever
-from envs.rewards import exact_match_reward
-from envs.spaces import UnicodeText
-from envs.stepping import REPLACE_CONTEXT, BatchedStepEnv, RetrievalRequest, StepResult, retrieve_single
+from envs.stepping import (
+    REPLACE_CONTEXT,
+    BatchedStepEnv,
+    RetrievalRequest,
+    StepResult,
+    episode_info,
+    retrieve_single,
+    turn_retrieval_info,
+)
 from raggym.data.types import Question
 from raggym.protocol import ANSWER, ROUTE, R1RouterDialect
 from raggym.protocol.action import Action, invalid
@@ -146,19 +152,12 @@ class MultiKBRouteEnv(BatchedStepEnv):
         self.gold_knowledge_base_names = dict(gold_knowledge_base_names or {})
         if top_k < 1 or max_route_steps < 1:
             raise ValueError("top_k and max_route_steps must be at least 1")
-        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
-            raise ValueError(f"unsupported render_mode {render_mode!r}")
-        self.questions = questions
-        self._questions = QuestionPicker(questions, question_order)
-        self.top_k = top_k
+        self._init_shared_settings(
+            questions=questions, question_order=question_order, top_k=top_k, reward_fn=reward_fn, corpus=corpus,
+            max_segment_chars=max_segment_chars, max_observation_chars=max_observation_chars,
+            observation_space_chars=max_observation_chars, render_mode=render_mode,
+        )
         self.max_route_steps = max_route_steps
-        self.reward_fn = reward_fn or exact_match_reward
-        self.corpus = corpus
-        self.max_segment_chars = max_segment_chars
-        self.max_observation_chars = max_observation_chars
-        self.render_mode = render_mode
-        self.observation_space = UnicodeText(max_observation_chars)
-        self.action_space = UnicodeText(max_segment_chars, allow_surrogates=True)
 
         self._record: RouteEpisodeRecord | None = None
         self._phase = ROUTE_PHASE
@@ -454,36 +453,19 @@ class MultiKBRouteEnv(BatchedStepEnv):
             "mode": step.knowledge_base,
             "sub_question": step.sub_question,
             "query": step.sub_question if step.phase == ROUTE_PHASE else None,
-            "retrieved_ids": step.retrieved_ids,
-            "retrieved_titles": step.retrieved_titles,
-            "retrieved_texts": step.retrieved_texts,
-            "retrieval_seconds": step.seconds,
-            "retrieval_cost": step.cost,
-            "format_valid": not step.format_error,
-            "format_error": step.format_error,
+            **turn_retrieval_info(step),
             "parse_error": step.error,
             "intermediate_answer": step.answer if step.phase == ANSWER_PHASE else None,
-            **self._episode_info(),
+            **episode_info(self._record),
         }
         if terminated or truncated:
             info["episode"] = self._record
         return StepResult(self._context, reward, terminated, truncated, info)
 
-    def _episode_info(self) -> dict[str, Any]:
-        record = self._record
-        return {
-            "answer": record.answer,
-            "total_retrieval_seconds": record.retrieval_seconds,
-            "total_retrieval_cost": record.retrieval_cost,
-            "num_retrievals": record.num_retrievals,
-            "truncation_reason": record.truncation_reason,
-            "question_id": record.question.id,
-        }
-
     def _truncation_result(self, reward: float) -> StepResult:
         # No model call ran: the info holds the episode-level keys of a step's info and the record.
         self._context = ""
-        info = {**self._episode_info(), "next_phase": None, "episode": self._record}
+        info = {**episode_info(self._record), "next_phase": None, "episode": self._record}
         return StepResult("", reward, False, True, info)
 
 

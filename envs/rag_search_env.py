@@ -29,12 +29,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from envs.questions import QuestionPicker, QuestionSource, gold_passage_texts
+from envs.questions import QuestionSource, gold_passage_texts
 from envs.records import EpisodeRecord, TurnRecord
 from envs.retriever import Retriever, check_retriever
-from envs.rewards import exact_match_reward
-from envs.spaces import UnicodeText
-from envs.stepping import APPEND_CONTEXT, BatchedStepEnv, RetrievalRequest, StepResult
+from envs.stepping import (
+    APPEND_CONTEXT,
+    BatchedStepEnv,
+    RetrievalRequest,
+    StepResult,
+    episode_info,
+    turn_retrieval_info,
+)
 from raggym.data.types import Question
 from raggym.protocol import ANSWER, SEARCH, Action, Dialect, get_dialect
 from raggym.protocol.action import invalid
@@ -129,27 +134,19 @@ class RagSearchEnv(BatchedStepEnv):
             raise ValueError(f"retrieval_budget must be non-negative, got {retrieval_budget}")
         if (max_episode_tokens is None) != (token_counter is None):
             raise ValueError("max_episode_tokens and token_counter go together")
-        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
-            raise ValueError(f"unsupported render_mode {render_mode!r}")
-
+        self._init_shared_settings(
+            questions=questions, question_order=question_order, top_k=top_k, reward_fn=reward_fn, corpus=corpus,
+            max_segment_chars=max_segment_chars, max_observation_chars=max_observation_chars,
+            observation_space_chars=max(max_observation_chars, max_prompt_chars),  # reset returns the prompt
+            render_mode=render_mode,
+        )
         self.retriever = retriever
-        self.questions = questions
-        self._questions = QuestionPicker(questions, question_order)
-        self.top_k = top_k
         self.retrieval_budget = retrieval_budget
-        self.reward_fn = reward_fn or exact_match_reward
-        self.corpus = corpus
         self.prompt_fn = prompt_fn
-        self.max_segment_chars = max_segment_chars
-        self.max_observation_chars = max_observation_chars
         self.max_prompt_chars = max_prompt_chars
         self.max_episode_chars = max_episode_chars
         self.max_episode_tokens = max_episode_tokens
         self.token_counter = token_counter
-        self.render_mode = render_mode
-
-        self.observation_space = UnicodeText(max(max_observation_chars, max_prompt_chars))
-        self.action_space = UnicodeText(max_segment_chars, allow_surrogates=True)
 
         self._record: EpisodeRecord | None = None
         self._budget_used = 0
@@ -303,13 +300,7 @@ class RagSearchEnv(BatchedStepEnv):
             "action_kind": turn.action.kind,
             "mode": turn.mode,
             "query": turn.query,
-            "retrieved_ids": turn.retrieved_ids,
-            "retrieved_titles": turn.retrieved_titles,
-            "retrieved_texts": turn.retrieved_texts,
-            "retrieval_seconds": turn.seconds,
-            "retrieval_cost": turn.cost,
-            "format_valid": not turn.format_error,
-            "format_error": turn.format_error,
+            **turn_retrieval_info(turn),
             "parse_error": turn.action.error,
             **self._episode_info(),
         }
@@ -318,16 +309,7 @@ class RagSearchEnv(BatchedStepEnv):
         return StepResult(turn.observation, reward, terminated, truncated, info)
 
     def _episode_info(self) -> dict[str, Any]:
-        record = self._record
-        return {
-            "answer": record.answer,
-            "total_retrieval_seconds": record.retrieval_seconds,
-            "total_retrieval_cost": record.retrieval_cost,
-            "num_retrievals": record.num_retrievals,
-            "budget_left": self.retrieval_budget - self._budget_used,
-            "truncation_reason": record.truncation_reason,
-            "question_id": record.question.id,
-        }
+        return episode_info(self._record, budget_left=self.retrieval_budget - self._budget_used)
 
     def _truncation_result(self, reward: float) -> StepResult:
         # No turn ran: the info holds the episode-level keys of a step's info and the record.

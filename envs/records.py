@@ -13,8 +13,8 @@ reads (``answer``, ``gold_answers``, ``queries``, ``modes``, ``retrieved_ids``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Sequence
 
 from raggym.data.types import Question
 from raggym.protocol import Action, Dialect, FormatCheck
@@ -62,13 +62,15 @@ class TurnRecord:
 
 
 @dataclass(slots=True)
-class EpisodeRecord:
-    """A whole ``RagSearchEnv`` episode: prompt, turns, outcome and retrieval totals."""
+class EpisodeRecordBase:
+    """What both episode records hold: the question, how the episode ended and its totals.
+
+    The outcome fields are keyword-only so that each record keeps its own fields (dialect and
+    prompt, or steps) positional right after ``question``.
+    """
 
     question: Question
-    dialect: Dialect
-    prompt: str
-    turns: list[TurnRecord] = field(default_factory=list)
+    _: KW_ONLY
     answer: str | None = None
     terminated: bool = False
     truncated: bool = False
@@ -83,6 +85,62 @@ class EpisodeRecord:
     @property
     def done(self) -> bool:
         return self.terminated or self.truncated
+
+    def as_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def outcome(self):
+        """This episode as a ``raggym.rewards.outcome.EpisodeOutcome``."""
+        # Imported on first use: the raggym.rewards package pulls in torch, which stepping an
+        # environment does not need.
+        from raggym.rewards.outcome import EpisodeOutcome
+
+        return EpisodeOutcome.from_dict(self.as_dict())
+
+    # The pieces of ``as_dict`` both records share, each in the key order the records emit.
+
+    def _question_fields(self) -> dict[str, Any]:
+        return {
+            "question_id": self.question.id,
+            "question": self.question.question,
+            "gold_answers": list(self.question.answers),
+            "gold_passage_ids": list(self.question.gold_passage_ids),
+            "gold_passages": list(self.gold_passages),
+        }
+
+    def _outcome_fields(self, **between: Any) -> dict[str, Any]:
+        """How the episode ended, then ``between`` (keys a record adds there), then its totals."""
+        return {
+            "answer": self.answer,
+            "terminated": self.terminated,
+            "truncated": self.truncated,
+            "truncation_reason": self.truncation_reason,
+            "reward": self.reward,
+            **between,
+            "num_retrievals": self.num_retrievals,
+            "num_format_errors": self.num_format_errors,
+            "retrieval_seconds": self.retrieval_seconds,
+            "retrieval_cost": self.retrieval_cost,
+        }
+
+
+def _retrieval_fields(queries: list, modes: list, retrievals: Sequence) -> dict[str, Any]:
+    """The per-retrieval lists ``EpisodeOutcome.from_dict`` reads, one entry per retrieval."""
+    return {
+        "queries": queries,
+        "modes": modes,
+        "retrieved_ids": [list(r.retrieved_ids) for r in retrievals],
+        "retrieved_texts": [list(r.retrieved_texts) for r in retrievals],
+    }
+
+
+@dataclass(slots=True)
+class EpisodeRecord(EpisodeRecordBase):
+    """A whole ``RagSearchEnv`` episode: prompt, turns, outcome and retrieval totals."""
+
+    dialect: Dialect
+    prompt: str
+    turns: list[TurnRecord] = field(default_factory=list)
 
     @property
     def segments(self) -> list[str]:
@@ -122,38 +180,16 @@ class EpisodeRecord:
         retrievals = self.retrieval_turns()
         check = self.format_check()
         return {
-            "question_id": self.question.id,
-            "question": self.question.question,
-            "gold_answers": list(self.question.answers),
-            "gold_passage_ids": list(self.question.gold_passage_ids),
-            "gold_passages": list(self.gold_passages),
+            **self._question_fields(),
             "dialect": self.dialect.name,
             "prompt": self.prompt,
-            "answer": self.answer,
-            "terminated": self.terminated,
-            "truncated": self.truncated,
-            "truncation_reason": self.truncation_reason,
-            "reward": self.reward,
-            "num_turns": len(self.turns),
-            "num_retrievals": self.num_retrievals,
-            "num_format_errors": self.num_format_errors,
-            "retrieval_seconds": self.retrieval_seconds,
-            "retrieval_cost": self.retrieval_cost,
-            "queries": [t.query for t in retrievals],
-            "modes": [t.mode for t in retrievals],
-            "retrieved_ids": [list(t.retrieved_ids) for t in retrievals],
-            "retrieved_texts": [list(t.retrieved_texts) for t in retrievals],
+            **self._outcome_fields(num_turns=len(self.turns)),
+            **_retrieval_fields([t.query for t in retrievals], [t.mode for t in retrievals], retrievals),
             "format_ok": check.ok,
             "format_reason": check.reason,
             "response_text": self.response_text(),
             "turns": [t.as_dict() for t in self.turns],
         }
-
-    def outcome(self):
-        """This episode as a ``raggym.rewards.outcome.EpisodeOutcome``."""
-        from raggym.rewards.outcome import EpisodeOutcome
-
-        return EpisodeOutcome.from_dict(self.as_dict())
 
 
 @dataclass(slots=True)
@@ -218,7 +254,7 @@ class RouteStepRecord:
 
 
 @dataclass(slots=True)
-class RouteEpisodeRecord:
+class RouteEpisodeRecord(EpisodeRecordBase):
     """A whole ``MultiKBRouteEnv`` episode.
 
     A teacher-forced episode (Step-GRPO, one model call) sets ``teacher_forced_phase`` (``route``,
@@ -227,25 +263,12 @@ class RouteEpisodeRecord:
     ``MultiKBRouteEnv.golden_step_options``); they are ``None`` in a free-running episode.
     """
 
-    question: Question
     steps: list[RouteStepRecord] = field(default_factory=list)
-    answer: str | None = None
-    terminated: bool = False
-    truncated: bool = False
-    truncation_reason: str | None = None
-    reward: float | None = None
-    num_retrievals: int = 0
-    retrieval_seconds: float = 0.0
-    retrieval_cost: float = 0.0
-    num_format_errors: int = 0
-    gold_passages: tuple[str, ...] = ()
+    # Keyword-only like the outcome fields: only the question and the steps are positional.
+    _: KW_ONLY
     teacher_forced_phase: str | None = None
     golden_prefix: int | None = None
     golden_step_index: int | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.terminated or self.truncated
 
     def retrieval_steps(self) -> list[RouteStepRecord]:
         return [s for s in self.steps if s.retrieved]
@@ -256,33 +279,15 @@ class RouteEpisodeRecord:
     def as_dict(self) -> dict[str, Any]:
         retrievals = self.retrieval_steps()
         return {
-            "question_id": self.question.id,
-            "question": self.question.question,
-            "gold_answers": list(self.question.answers),
-            "gold_passage_ids": list(self.question.gold_passage_ids),
-            "gold_passages": list(self.gold_passages),
+            **self._question_fields(),
             "dialect": "r1_router",
-            "answer": self.answer,
-            "terminated": self.terminated,
-            "truncated": self.truncated,
-            "truncation_reason": self.truncation_reason,
-            "reward": self.reward,
-            "num_retrievals": self.num_retrievals,
-            "num_format_errors": self.num_format_errors,
-            "retrieval_seconds": self.retrieval_seconds,
-            "retrieval_cost": self.retrieval_cost,
-            "queries": [s.sub_question for s in retrievals],
-            "modes": [s.knowledge_base for s in retrievals],
-            "retrieved_ids": [list(s.retrieved_ids) for s in retrievals],
-            "retrieved_texts": [list(s.retrieved_texts) for s in retrievals],
+            **self._outcome_fields(),
+            **_retrieval_fields(
+                [s.sub_question for s in retrievals], [s.knowledge_base for s in retrievals], retrievals
+            ),
             "format_ok": self.num_format_errors == 0 and self.answer is not None,
             "teacher_forced_phase": self.teacher_forced_phase,
             "golden_prefix": self.golden_prefix,
             "golden_step_index": self.golden_step_index,
             "steps": [s.as_dict() for s in self.steps],
         }
-
-    def outcome(self):
-        from raggym.rewards.outcome import EpisodeOutcome
-
-        return EpisodeOutcome.from_dict(self.as_dict())

@@ -52,7 +52,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from envs.retrieval_memo import RetrievalMemo
-from envs.stepping import RetrievalRequest
+from envs.session_adapter import as_session_engine
+from envs.stepping import RetrievalRequest, run_retrieval
 from envs.wrappers import batched_step_env
 from raggym.generation import GenerationResult, SamplingParams
 from raggym.seeding import derive_seed
@@ -259,8 +260,6 @@ class LocalBackend:
     serial_retrieval = True
 
     def __init__(self, engine):
-        from envs.session_adapter import as_session_engine
-
         self.engine = engine
         self.sessions = as_session_engine(engine)
 
@@ -271,8 +270,6 @@ class LocalBackend:
         self.sessions.end_session(session_id)
 
     async def retrieve(self, requests: Sequence[RetrievalRequest]) -> list:
-        from envs.stepping import run_retrieval
-
         return await asyncio.to_thread(run_retrieval, list(requests))
 
 

@@ -28,11 +28,8 @@ for a request, ``finish_step`` with a single retrieval (``step_through``).
 top of two methods a subclass writes (``begin_step``/``finish_step``) plus
 ``_truncation_result``. Wrappers that change step results subclass ``envs.BatchedStepWrapper``.
 
-``step_batch`` runs the first half for all episodes, sends every pending query to its retriever in
-one ``retrieve`` call per (retriever, mode, k) group, with identical queries deduplicated, then
-runs the second half. Rollout workers use it so that graph retrieval (batched personalised
-PageRank) sees whole batches instead of single queries. If a retriever raises, no environment has
-been changed by its pending request, so the caller may retry the same ``step_batch``.
+``run_retrieval`` sends the pending queries of many episodes in one ``retrieve`` call per
+(retriever, mode, k) group; ``envs.batching.step_batch`` drives a whole batch of episodes with it.
 """
 
 from __future__ import annotations
@@ -41,6 +38,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import gymnasium as gym
 
+from envs.questions import QuestionPicker, QuestionSource
+from envs.rewards import exact_match_reward
+from envs.spaces import UnicodeText
 from raggym.protocol import Action
 
 APPEND_CONTEXT = "append"
@@ -120,7 +120,8 @@ class BatchedStepEnv(gym.Env):
     A subclass sets ``dialect``, ``reward_fn`` and ``_record`` (``None`` until ``reset``; a record
     with ``terminated``, ``truncated``, ``truncation_reason`` and ``reward``), sets
     ``context_mode``, and implements ``reset``, ``begin_step``, ``finish_step`` and
-    ``_truncation_result``. ``step``, ``check_step_call`` and ``truncate`` come from here.
+    ``_truncation_result``. ``step``, ``check_step_call`` and ``truncate`` come from here, and
+    ``_init_shared_settings`` stores the constructor settings the environments have in common.
     """
 
     context_mode: str = APPEND_CONTEXT
@@ -148,6 +149,40 @@ class BatchedStepEnv(gym.Env):
             raise RuntimeError("the episode is over (terminated or truncated); call reset() first")
         if not isinstance(action, str):
             raise TypeError(f"step() expects the assistant segment as str, got {type(action).__name__}")
+
+    def _init_shared_settings(
+        self,
+        *,
+        questions: QuestionSource | None,
+        question_order: str,
+        top_k: int,
+        reward_fn: Callable[[Any], float] | None,
+        corpus: Any,
+        max_segment_chars: int,
+        max_observation_chars: int,
+        observation_space_chars: int,
+        render_mode: str | None,
+    ) -> None:
+        """Check and store the constructor settings ``RagSearchEnv`` and ``MultiKBRouteEnv`` share,
+        and build the text spaces: observations of up to ``observation_space_chars`` characters
+        (the longest text ``reset`` or ``step`` returns), actions of up to ``max_segment_chars``.
+
+        A subclass calls it after its own checks (``top_k``'s among them: its limits and message
+        differ per environment), so those errors come first; this one then checks
+        ``render_mode`` and the question source.
+        """
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"unsupported render_mode {render_mode!r}")
+        self.questions = questions
+        self._questions = QuestionPicker(questions, question_order)
+        self.top_k = top_k
+        self.reward_fn = reward_fn or exact_match_reward
+        self.corpus = corpus
+        self.max_segment_chars = max_segment_chars
+        self.max_observation_chars = max_observation_chars
+        self.render_mode = render_mode
+        self.observation_space = UnicodeText(observation_space_chars)
+        self.action_space = UnicodeText(max_segment_chars, allow_surrogates=True)
 
     def begin_step(self, segment: str) -> StepResult | RetrievalRequest:
         raise NotImplementedError
@@ -179,36 +214,31 @@ class BatchedStepEnv(gym.Env):
         raise NotImplementedError
 
 
-def step_batch(envs: Sequence[Any], actions: Sequence[str]) -> list[StepResult]:
-    """``env.step(action)`` for every pair, with retrieval batched across the episodes.
+def episode_info(record, **between: Any) -> dict[str, Any]:
+    """The episode-level keys of every step's ``info`` (``record`` is an
+    ``envs.records.EpisodeRecordBase``), with ``between``, the keys an environment adds, before
+    the truncation reason."""
+    return {
+        "answer": record.answer,
+        "total_retrieval_seconds": record.retrieval_seconds,
+        "total_retrieval_cost": record.retrieval_cost,
+        "num_retrievals": record.num_retrievals,
+        **between,
+        "truncation_reason": record.truncation_reason,
+        "question_id": record.question.id,
+    }
 
-    ``envs`` may be what ``gymnasium.make`` returned: each is resolved with
-    ``envs.batched_step_env`` (so ``BatchedStepWrapper`` transforms apply and a wrapper whose
-    ``step`` would be bypassed is refused). Returns one ``StepResult`` per environment, in order.
-    API misuse (an episode already over, a non-string action, mismatched lengths) raises before
-    any environment changes state.
-    """
-    # Imported here: envs.wrappers builds on this module.
-    from envs.wrappers import batched_step_env
 
-    if len(envs) != len(actions):
-        raise ValueError(f"step_batch got {len(envs)} environments but {len(actions)} actions")
-    stepping = [batched_step_env(env) for env in envs]
-    if len({id(env.unwrapped) for env in stepping}) != len(stepping):
-        raise ValueError("step_batch got the same environment twice")
-    for env, action in zip(stepping, actions):
-        env.check_step_call(action)
-    results: list[StepResult | None] = [None] * len(stepping)
-    pending: list[tuple[int, RetrievalRequest]] = []
-    for i, (env, action) in enumerate(zip(stepping, actions)):
-        outcome = env.begin_step(action)
-        if isinstance(outcome, RetrievalRequest):
-            pending.append((i, outcome))
-        else:
-            results[i] = outcome
-    if pending:
-        fetched = run_retrieval([req for _, req in pending])
-        for (i, req), query_result in zip(pending, fetched):
-            # The object whose begin_step issued the request finishes it, so wrappers see it too.
-            results[i] = stepping[i].finish_step(req, query_result)
-    return results  # type: ignore[return-value]
+def turn_retrieval_info(turn) -> dict[str, Any]:
+    """The ``info`` keys of one turn's retrieval and format verdict (``turn`` is a ``TurnRecord``
+    or a ``RouteStepRecord``)."""
+    return {
+        "retrieved_ids": turn.retrieved_ids,
+        "retrieved_titles": turn.retrieved_titles,
+        "retrieved_texts": turn.retrieved_texts,
+        "retrieval_seconds": turn.seconds,
+        "retrieval_cost": turn.cost,
+        "format_valid": not turn.format_error,
+        "format_error": turn.format_error,
+    }
+

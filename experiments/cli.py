@@ -16,6 +16,12 @@ import json
 import os
 import sys
 
+from experiments import demo, evaluate, serve
+from raggym.data import DataFormatError
+from raggym.data.cli import add_data_arguments, run_data
+from raggym.data.synthetic import WorldConfig, entities_for_passages, write_world
+from raggym.models import ModelSpecError
+
 # Subcommands whose implementation arrives with a later issue. Calling one says so and fails;
 # it never pretends to have done the work.
 _PENDING = {
@@ -28,57 +34,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_demo(sub):
-    from experiments.routing import SFT_MODE_SAMPLING, SFT_ORDERS
-    from experiments.sft import LR_SCHEDULES
-
     p = sub.add_parser("demo", help="the learning proof on the embedded default: routing task -> SFT -> RouteRAG GRPO stage 1 and 2 -> report",
                        description="Generate the routing task (questions that need graph retrieval and questions a passage "
                                    "search answers), build its index and graph, SFT SmolLM2-135M on golden episodes with "
                                    "random search modes, run RouteRAG GRPO stage 1 (EM) and stage 2 (EM + efficiency) on "
                                    "local Ray, evaluate after each stage on held-out questions and write "
                                    "report.md/report.json (with rl_effect)/plots under --out.")
-    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo; replaced unless --resume)")
-    p.add_argument("--resume", action="store_true", help="keep --out and reuse its index")
-    p.add_argument("--seed", type=int, default=0, help="world, SFT and RL seed (default 0)")
-    p.add_argument("--entities", type=int, default=300, help="synthetic world size (default 300)")
-    p.add_argument("--questions", type=int, default=400, help="questions generated (default 400)")
-    p.add_argument("--eval-questions", type=int, default=48, help="held-out questions evaluated at every stage (default 48)")
-    p.add_argument("--policy", default="smollm2-135m", help="starting policy (model spec or HF dir)")
-    p.add_argument("--sft-examples", type=int, default=48,
-                   help="training questions written as golden episodes for SFT (default 48; under "
-                        "--sft-mode-sampling every, each is written once per mode: 96 episodes)")
-    p.add_argument("--sft-epochs", type=int, default=1)
-    p.add_argument("--sft-lr", type=float, default=2e-4)
-    p.add_argument("--sft-batch", type=int, default=4)
-    p.add_argument("--sft-modes", default="passage,graph",
-                   help="search modes of the SFT episodes (default passage,graph: an even prior that is blind to "
-                        "the question; repeat a mode to weight it)")
-    p.add_argument("--sft-mode-sampling", default="every", choices=SFT_MODE_SAMPLING,
-                   help="every (default): each question once per listed mode; draw: one episode per question, "
-                        "its modes drawn from --sft-modes")
-    p.add_argument("--sft-order", default="per-question", choices=tuple(SFT_ORDERS),
-                   help="SFT batch order (default per-question: a question's episodes share a batch, so every "
-                        "batch holds the modes equally)")
-    p.add_argument("--sft-lr-schedule", default="linear", choices=LR_SCHEDULES,
-                   help="SFT learning rate over its steps (default linear decay to 0)")
-    p.add_argument("--stage1-steps", type=int, default=5, help="GRPO steps of stage 1, reward EM (default 5)")
-    p.add_argument("--stage2-steps", type=int, default=1, help="GRPO steps of stage 2, EM + efficiency (default 1)")
-    p.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step (default 4)")
-    p.add_argument("--group-size", type=int, default=4, help="episodes per question, G (default 4)")
-    p.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml, 2e-5)")
-    p.add_argument("--temperature", type=float, default=0.7,
-                   help="RL rollout temperature (default 0.7; the learner divides its logits by the same value)")
-    p.add_argument("--world-only", action="store_true", help="only build a multi-hop world and print its statistics")
-    p.add_argument("--world-out", default=None, help="with --world-only: also write the world's files here")
-    p.add_argument("--json", action="store_true", help="print the summary (or world statistics) as one JSON object")
-    p.add_argument("overrides", nargs="*", help="extra key=value overrides of experiments/configs/routing_grpo.yaml")
-    p.set_defaults(func=_run_demo)
-
-
-def _run_demo(args) -> int:
-    from experiments.demo import run_demo
-
-    return run_demo(args)
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run_demo)
 
 
 def _add_synth(sub):
@@ -99,8 +62,6 @@ def _add_synth(sub):
 
 
 def _run_synth(args) -> int:
-    from raggym.data.synthetic import WorldConfig, entities_for_passages, write_world
-
     cfg = WorldConfig(
         seed=args.seed,
         n_entities=args.entities or 2000,
@@ -144,44 +105,39 @@ def _add_train(sub):
 
 
 def _run_train(args) -> int:
+    # Imported on use: experiments.train imports torch (about 1.5 s), which `raggym --help` and the
+    # other subcommands should not wait for.
     from experiments.train import main as train_main
 
     return train_main((["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + list(args.overrides))
 
 
 def _add_eval(sub):
-    from experiments.evaluate import add_arguments
-
     p = sub.add_parser("eval", help="evaluate a policy: datasets x systems (same as python -m experiments.evaluate)",
                        description="Evaluate a policy on datasets with baseline systems (direct, vanilla_rag, agent, "
                                    "single-mode ablations) through the Ray rollout path; writes results.json, "
                                    "results.md and trajectories/*.jsonl under --out.")
-    add_arguments(p)
-    p.set_defaults(func=_run_eval)
-
-
-def _run_eval(args) -> int:
-    from experiments.evaluate import run
-
-    return run(args)
+    evaluate.add_arguments(p)
+    p.set_defaults(func=evaluate.run)
 
 
 def _add_bench(sub):
     p = sub.add_parser("bench", help="run a benchmark script and print JSON",
-                       description="Run experiments/bench_NAME.py; remaining arguments go to the script.")
+                       description="Run experiments/bench/NAME.py; remaining arguments go to the script.")
     p.add_argument("name", help="benchmark name, e.g. synthetic, retrieval, env")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run_bench)
 
 
 def _run_bench(args) -> int:
+    # A benchmark is imported by its name, the one that runs: each pulls in its own stack (torch, Ray, vLLM).
     try:
-        mod = importlib.import_module(f"experiments.bench_{args.name}")
+        mod = importlib.import_module(f"experiments.bench.{args.name}")
     except ModuleNotFoundError as e:
-        if e.name != f"experiments.bench_{args.name}":
+        if e.name != f"experiments.bench.{args.name}":
             raise
-        here = os.path.dirname(__file__)
-        names = sorted(f[6:-3] for f in os.listdir(here) if f.startswith("bench_") and f.endswith(".py"))
+        here = os.path.join(os.path.dirname(__file__), "bench")
+        names = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py") and not f.startswith("_"))
         print(f"raggym: error: no benchmark named {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
         return 2
     return int(mod.main(args.rest) or 0)
@@ -191,10 +147,8 @@ def _add_serve(sub):
     p = sub.add_parser("serve", help="serve a trained agent over HTTP with Ray Serve (blocks until Ctrl-C)",
                        description="Deploy the retrieval service, the policy engine and the agent loop; "
                                    "POST /v1/answer, OpenAI-compatible /v1/chat/completions. See docs/serving.md.")
-    from experiments.serve import add_arguments, run_serve
-
-    add_arguments(p)
-    p.set_defaults(func=run_serve)
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run_serve)
 
 
 def _pending(name: str, what: str) -> int:
@@ -222,8 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_data(sub):
-    from raggym.data.cli import add_data_arguments, run_data
-
     p = sub.add_parser("data", help="inspect question and corpus files: format, counts, gold passages, samples",
                        description="Detect a question or corpus file's layout and report what raggym reads from it.")
     add_data_arguments(p)
@@ -232,9 +184,6 @@ def _add_data(sub):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from raggym.data import DataFormatError
-    from raggym.models import ModelSpecError
-
     try:
         return int(args.func(args) or 0)
     except (DataFormatError, ModelSpecError, ValueError, FileNotFoundError) as e:

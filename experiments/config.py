@@ -33,11 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ConfigTypeError, OmegaConfBaseException, ValidationError
 
+import envs
 from experiments.config_schema import dataclass_in, get_path, leaf_from_type, leaf_paths, open_section_errors, unknown_key
+from raggym.config_nodes import ConfigError, to_plain  # noqa: F401  (part of this module's API)
 from raggym.models import LoraSettings
+from raggym.protocol import get_dialect
 
 STEPWISE_ENV = "raggym/MultiKBRoute-v0"  # R1-Router's env: its episodes run step-wise
 
@@ -183,10 +186,6 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-class ConfigError(ValueError):
-    """A config problem; the message names the file (or override) and the dotted key."""
-
-
 def _cross_errors(c: dict) -> list[tuple[str, str]]:
     """Consistency between sections: what one key means must fit what another says."""
     errs = []
@@ -241,9 +240,6 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
 def mode_slot_of(env_id: str) -> str:
     """The ``Dialect.mode_slot`` of the env's dialect: where a search names its retrieval mode
     ("" when its searches name none, or the env has no search dialect)."""
-    import envs
-    from raggym.protocol import get_dialect
-
     dialect = envs.SEARCH_ENV_IDS.get(env_id)
     return get_dialect(dialect).mode_slot if dialect else ""
 
@@ -328,11 +324,6 @@ def _build(sources: Sequence[_Source]) -> DictConfig:
 
 
 # ----------------------------------------------------------------------------- public API
-
-
-def to_plain(node) -> Any:
-    """A config node as plain Python (dicts, lists, scalars); scalars and None pass through."""
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
 
 
 def validate_config(cfg, sources: Sequence[_Source] = ()) -> None:

@@ -11,27 +11,75 @@
    (EM + batch-centred efficiency over the retriever's deterministic cost);
 4. after SFT, after stage 1 and after stage 2: greedy evaluation on the held-out questions, and
    the policy's graph preference read from its logits at the mode slot of held-out questions
-   (``experiments.routing.graph_preference``);
+   (``experiments.studies.routing.graph_preference``);
 5. ``report.md`` / ``report.json`` — with ``rl_effect``: what RL changed on the graph-only
    questions, and what stage 2 did to retrieval cost — and PNG plots.
 
 Every number in the report is measured in this run; nothing is filled in. The same pipeline over
-three seeds and more steps is ``python -m experiments.routing`` (docs/results.md).
+three seeds and more steps is ``python -m experiments.studies.routing`` (docs/results.md).
 ``--world-only`` builds a multi-hop world and prints its statistics.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from actors.cluster import init_ray
+from experiments.report import write_report
+from experiments.sft import LR_SCHEDULES
+from experiments.studies.routing import (EVAL_KWARGS, SFT_MODE_SAMPLING, SFT_ORDERS, SeedSettings, build_task, plot,
+                                         recall_by_mode, rl_effect, run_seed, sft_modes, summarise)
+from raggym.data.synthetic import WorldConfig, generate_world, write_world
+from raggym.retrieval import Retriever
+
 
 def _say(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[demo] {msg}", flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's arguments (``raggym demo`` and ``python -m experiments.demo``)."""
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo; replaced unless --resume)")
+    p.add_argument("--resume", action="store_true", help="keep --out and reuse its index")
+    p.add_argument("--seed", type=int, default=0, help="world, SFT and RL seed (default 0)")
+    p.add_argument("--entities", type=int, default=300, help="synthetic world size (default 300)")
+    p.add_argument("--questions", type=int, default=400, help="questions generated (default 400)")
+    p.add_argument("--eval-questions", type=int, default=48, help="held-out questions evaluated at every stage (default 48)")
+    p.add_argument("--policy", default="smollm2-135m", help="starting policy (model spec or HF dir)")
+    p.add_argument("--sft-examples", type=int, default=48,
+                   help="training questions written as golden episodes for SFT (default 48; under "
+                        "--sft-mode-sampling every, each is written once per mode: 96 episodes)")
+    p.add_argument("--sft-epochs", type=int, default=1)
+    p.add_argument("--sft-lr", type=float, default=2e-4)
+    p.add_argument("--sft-batch", type=int, default=4)
+    p.add_argument("--sft-modes", default="passage,graph",
+                   help="search modes of the SFT episodes (default passage,graph: an even prior that is blind to "
+                        "the question; repeat a mode to weight it)")
+    p.add_argument("--sft-mode-sampling", default="every", choices=SFT_MODE_SAMPLING,
+                   help="every (default): each question once per listed mode; draw: one episode per question, "
+                        "its modes drawn from --sft-modes")
+    p.add_argument("--sft-order", default="per-question", choices=tuple(SFT_ORDERS),
+                   help="SFT batch order (default per-question: a question's episodes share a batch, so every "
+                        "batch holds the modes equally)")
+    p.add_argument("--sft-lr-schedule", default="linear", choices=LR_SCHEDULES,
+                   help="SFT learning rate over its steps (default linear decay to 0)")
+    p.add_argument("--stage1-steps", type=int, default=5, help="GRPO steps of stage 1, reward EM (default 5)")
+    p.add_argument("--stage2-steps", type=int, default=1, help="GRPO steps of stage 2, EM + efficiency (default 1)")
+    p.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step (default 4)")
+    p.add_argument("--group-size", type=int, default=4, help="episodes per question, G (default 4)")
+    p.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml, 2e-5)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="RL rollout temperature (default 0.7; the learner divides its logits by the same value)")
+    p.add_argument("--world-only", action="store_true", help="only build a multi-hop world and print its statistics")
+    p.add_argument("--world-out", default=None, help="with --world-only: also write the world's files here")
+    p.add_argument("--json", action="store_true", help="print the summary (or world statistics) as one JSON object")
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides of experiments/configs/routing_grpo.yaml")
 
 
 def run_demo(args) -> int:
@@ -44,11 +92,6 @@ def run_demo(args) -> int:
 
 
 def run_pipeline(args) -> int:
-    from actors.cluster import init_ray
-    from experiments.report import write_report
-    from experiments.routing import EVAL_KWARGS, build_task, plot, recall_by_mode, rl_effect, run_seed, summarise
-    from raggym.retrieval import Retriever
-
     settings = demo_settings(args)  # a bad setting fails here, before --out is touched
     quiet = bool(args.json)
     started = time.perf_counter()
@@ -119,8 +162,6 @@ def drift_summary(train_metrics: list[dict]) -> str:
 def demo_settings(args):
     """The ``SeedSettings`` of ``raggym demo``'s arguments; the rollout temperature goes in as an
     override of routing_grpo.yaml (before the user's own overrides, which win)."""
-    from experiments.routing import SeedSettings, sft_modes
-
     sft_modes(args.sft_modes)
     return SeedSettings(sft_examples=args.sft_examples, sft_epochs=args.sft_epochs, sft_lr=args.sft_lr,
                         sft_batch=args.sft_batch, sft_modes=args.sft_modes, sft_mode_sampling=args.sft_mode_sampling,
@@ -180,8 +221,6 @@ def _summary(report: dict) -> dict:
 
 
 def _world_only(args) -> int:
-    from raggym.data.synthetic import WorldConfig, generate_world, write_world
-
     started = time.perf_counter()
     cfg = WorldConfig(seed=args.seed, n_entities=args.entities)
     if args.world_out:
@@ -224,9 +263,9 @@ def _one_per_kind(questions):
 
 
 def main(argv=None) -> int:
-    from experiments.cli import build_parser
-
-    return run_demo(build_parser().parse_args(["demo", *(argv or [])]))
+    parser = argparse.ArgumentParser(prog="python -m experiments.demo", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_demo(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

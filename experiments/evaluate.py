@@ -15,7 +15,7 @@ Systems (none needs training):
 
 Every system runs as episodes of the dialect's environment on EnvRunner actors, with generation
 on RolloutWorker actors and retrieval on the RetrievalService, exactly as training rollouts do
-(``experiments.runtime.RayRuntime`` and ``evaluate_episodes``, the one evaluator that
+(``actors.runtime.RayRuntime`` and ``evaluate_episodes``, the one evaluator that
 in-training evaluation and the SFT check use too). Graph systems on an index without a
 knowledge graph are skipped with a reason; the agent there searches in passage mode only (noted).
 
@@ -48,7 +48,27 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from tqdm.auto import tqdm
+
+from actors.cluster import init_ray
+from envs import SEARCH_ENV_IDS
+from experiments.config import config_from_dict
+from experiments.judge import make_judge
+from raggym.atomic import atomic_write_json, atomic_write_text
+from raggym.data import DataFormatError, load_corpus, load_questions, write_jsonl
 from raggym.data.splits import split_questions
+from raggym.data.synthetic import generate_world
+from raggym.judge import judge_many, lexical_correct
+from raggym.models import ModelSpecError, cache_dir, resolve_model_spec
+from raggym.protocol import get_dialect
+from raggym.retrieval import ensure_index
+from raggym.retrieval.retriever import corpus_fingerprint
+from raggym.retrieval.storage import read_manifest
+
+# Ray, torch and the modules that import torch (raggym.rewards, envs.rollout, actors.runtime,
+# experiments.training) are imported in the functions that use them: `raggym` imports this module
+# when it starts (the eval subcommand's arguments); torch would add about 1.5 s and Ray 0.3 s to
+# every command, --help too.
 
 MODES = ("passage", "graph", "hybrid")
 SYSTEMS = ("direct", "vanilla_rag", "agent", "passage_only", "graph_only", "hybrid_only")
@@ -105,8 +125,7 @@ def episode_metrics(trajectory: dict, correct: bool | None = None) -> dict:
     """Metrics of one evaluated episode (a trajectory dict with ``episode`` and ``loss_mask``).
 
     ``correct`` is a judge's verdict on the answer; without one the fallback rule decides."""
-    from raggym.judge import lexical_correct
-    from raggym.rewards import EpisodeOutcome
+    from raggym.rewards import EpisodeOutcome  # torch: on use (see the imports)
     from raggym.rewards.metrics import outcome_metrics
 
     ep = trajectory["episode"]
@@ -245,8 +264,7 @@ def markdown_table(results: dict) -> str:
 def resolve_policy(policy: str | os.PathLike) -> str:
     """A model spec or HF dir as given; a checkpoint dir -> its ``policy/``; a run dir -> the
     ``policy/`` of its latest complete checkpoint."""
-    from experiments.training import latest_checkpoint
-    from raggym.models import ModelSpecError, resolve_model_spec
+    from experiments.training import latest_checkpoint  # torch: on use (see the imports)
 
     path = Path(policy)
     if path.is_dir():
@@ -298,14 +316,7 @@ def _check_dataset(d: dict) -> None:
 
 def load_dataset(d: dict, index_cache: Path, max_questions: int | None, show_progress: bool = True):
     """``(questions, corpus, index_dir, has_graph)``; builds and caches the index when needed."""
-    from raggym.data import load_corpus, load_questions
-    from raggym.retrieval import ensure_index
-    from raggym.retrieval.retriever import corpus_fingerprint
-    from raggym.retrieval.storage import read_manifest
-
     if d["source"] == "synthetic":
-        from raggym.data.synthetic import generate_world
-
         knobs = dict(d.get("synthetic") or {})
         world = generate_world(**knobs)
         corpus, questions, openie = world.corpus, list(world.questions), world.openie
@@ -338,8 +349,6 @@ def load_dataset(d: dict, index_cache: Path, max_questions: int | None, show_pro
 
 
 def _env_id(dialect: str) -> str:
-    from envs import SEARCH_ENV_IDS
-
     for env_id, name in SEARCH_ENV_IDS.items():
         if name == dialect:
             return env_id
@@ -353,8 +362,6 @@ def plan_systems(systems: Sequence[str], has_graph: bool, dialect: str) -> tuple
     ``prompt`` (None, "direct" or "context"). Graph systems are skipped without a graph; the
     agent then searches in passage mode only.
     """
-    from raggym.protocol import get_dialect
-
     d = get_dialect(dialect)
     plan, skipped, notes = [], [], []
     for system in systems:
@@ -381,9 +388,7 @@ def plan_systems(systems: Sequence[str], has_graph: bool, dialect: str) -> tuple
 def _system_env_kwargs(rt, system: str, spec: dict, questions, *, dialect: str, top_k: int,
                        budget: int) -> tuple[dict, dict]:
     """``(env kwargs, prompt retrievals by question id)`` of one system."""
-    import ray
-
-    from raggym.protocol import get_dialect
+    import ray  # on use (see the imports)
 
     env_kwargs: dict[str, Any] = {"top_k": top_k, "retrieval_budget": budget if spec["budget"] == "agent" else 0}
     if spec["allowed_modes"] is not None:
@@ -422,14 +427,14 @@ def episode_records(rollouts) -> list[dict]:
 def evaluate_episodes(runtime, questions, sampling, *, env_kwargs: dict | None = None, tag: str = "eval",
                       prompt_retrievals: dict | None = None, judge=None) -> tuple[list[dict], dict]:
     """The one evaluator (harness, in-training evaluation, the SFT check): one episode per
-    question on ``runtime`` (``experiments.runtime``), then ``episode_metrics`` and ``aggregate``.
+    question on ``runtime`` (``actors.runtime``), then ``episode_metrics`` and ``aggregate``.
     ``judge(question, answer, golds) -> bool`` decides ``correct`` (default: EM or F1 ≥ 0.5).
 
     ``prompt_retrievals`` (question id -> ``QueryResult``) are retrievals made for the prompt
     (retrieve-then-read); they are recorded in the episode as a search turn would be.
     Returns ``(episode records, aggregated metrics)``.
     """
-    from envs.rollout import EpisodeRequest
+    from envs.rollout import EpisodeRequest  # torch: on use (see the imports)
 
     requests = [EpisodeRequest(q, f"{tag}:{q.id}") for q in questions]
     episodes = episode_records(runtime.rollout(requests, sampling, env_kwargs))
@@ -450,8 +455,7 @@ def judged_correct(episodes: Sequence[dict], judge) -> list[bool | None]:
     """The judge's verdict per episode record (all in one batch), or None each without a judge."""
     if judge is None:
         return [None] * len(episodes)
-    from raggym.judge import judge_many
-    from raggym.rewards import EpisodeOutcome
+    from raggym.rewards import EpisodeOutcome  # torch: on use (see the imports)
 
     outcomes = [EpisodeOutcome.from_dict(t["episode"]) for t in episodes]
     return judge_many(judge, [(o.question, o.answer, o.gold_answers) for o in outcomes])
@@ -459,8 +463,6 @@ def judged_correct(episodes: Sequence[dict], judge) -> list[bool | None]:
 
 def _eval_config(policy_path: str, dialect: str, *, engine: str, workers: int, temperature: float, seed: int,
                  max_response_tokens: int, max_turn_tokens: int, max_observation_tokens: int):
-    from experiments.config import config_from_dict
-
     engine_kwargs = {"kv_cache_gib": EVAL_KV_CACHE_GIB} if engine == "vllm-async" else {}
     return config_from_dict({
         "policy": {"model": policy_path}, "env": {"id": _env_id(dialect)}, "run": {"seed": int(seed)},
@@ -508,15 +510,11 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
     "skipped": [...], "notes": [...], "settings": {...}, "seconds": float}``. Uses the running Ray
     instance when there is one, else starts a local one (and shuts it down afterwards).
     """
-    import ray
-    from tqdm.auto import tqdm
+    import ray  # Ray and torch: on use (see the imports)
 
-    from actors.cluster import init_ray
-    from experiments.runtime import RayRuntime
+    from actors.runtime import RayRuntime
     from experiments.training import sampling_params
     from raggym.rewards.r1_router import TEXT_KB
-    from raggym.data import write_jsonl
-    from raggym.models import cache_dir
 
     started = time.perf_counter()
     systems = list(dict.fromkeys(systems))
@@ -542,7 +540,6 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     _env_id(dialect)
     policy_path = resolve_policy(policy)
-    from experiments.judge import make_judge
 
     answer_judge = make_judge(judge, policy_path)
     out = Path(out_dir)
@@ -621,8 +618,6 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
 
 def write_results(out_dir: str | Path, results: dict) -> None:
     """``results.json`` and ``results.md``, each through a temp file and a rename."""
-    from raggym.atomic import atomic_write_json, atomic_write_text
-
     out = Path(out_dir)
     atomic_write_json(out / "results.json", results, default=str)
     atomic_write_text(out / "results.md", markdown_table(results))
@@ -744,9 +739,6 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raggym.data import DataFormatError
-    from raggym.models import ModelSpecError
-
     parser = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -34,6 +34,7 @@ optimizer step) and ``sft_summary.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +45,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
+from envs import MultiKBRouteEnv, RagSearchEnv, step_batch
+from experiments.evaluate import evaluate_episodes
+from raggym.atomic import atomic_directory, atomic_write_json
+from raggym.data.golden import with_golden_trajectories
+from raggym.data.synthetic import generate_world
+from raggym.models import apply_lora, load_policy, load_policy_tokenizer, lora_settings
+from raggym.protocol import DIALECTS, get_dialect  # DIALECTS: the six built-ins plus register_dialect's
+from raggym.retrieval import Retriever
+
+# torch, and the modules that import it (raggym.trajectory, envs.rollout, actors.engines,
+# actors.runtime), are imported in the functions that use them: `raggym` imports this module when
+# it starts (the demo's arguments), and torch would add about 1.5 s to every command, --help too.
+
 # Knowledge-base labels of the synthetic world's golden trajectories -> R1-Router base names.
 DEFAULT_KB_NAMES = {"text": "Text Retriever", "table": "Table Retriever"}
 
@@ -52,10 +68,8 @@ DEFAULT_KB_NAMES = {"text": "Text Retriever", "table": "Table Retriever"}
 
 
 def _check_dialect(dialect: str) -> str:
-    from raggym.protocol import DIALECTS as REGISTERED  # the six built-ins plus register_dialect's
-
-    if not isinstance(dialect, str) or dialect not in REGISTERED:
-        raise ValueError(f"unknown dialect {dialect!r}; expected one of {', '.join(REGISTERED)}")
+    if not isinstance(dialect, str) or dialect not in DIALECTS:
+        raise ValueError(f"unknown dialect {dialect!r}; expected one of {', '.join(DIALECTS)}")
     return dialect
 
 
@@ -65,13 +79,10 @@ def make_env(dialect: str, retriever, *, top_k: int = 3, corpus=None, env_kwargs
     _check_dialect(dialect)
     kwargs = dict(env_kwargs or {})
     if dialect == "r1_router":
-        from envs import MultiKBRouteEnv
-
         kbs = kwargs.pop("knowledge_bases", None) or {DEFAULT_KB_NAMES["text"]: retriever}
         kwargs.setdefault("gold_knowledge_base_names", {k: v for k, v in DEFAULT_KB_NAMES.items() if v in kbs})
         kwargs.setdefault("max_route_steps", max(3, longest_trajectory))
         return MultiKBRouteEnv(kbs, None, top_k=top_k, corpus=corpus, **kwargs)
-    from envs import RagSearchEnv
 
     kwargs.setdefault("retrieval_budget", max(4, longest_trajectory))
     return RagSearchEnv(retriever, None, dialect, top_k=top_k, corpus=corpus, **kwargs)
@@ -111,8 +122,6 @@ def with_search_modes(questions, modes: str | Sequence[str] = "golden", seed: in
     with the order or the company it is given in. With ``rotation`` r, step i takes
     ``modes[(r + i) % len(modes)]`` instead of a draw: the ``len(modes)`` rotations of a question
     give every step each listed mode once."""
-    import dataclasses
-
     if modes == "golden":
         return list(questions)
     choices = (modes,) if isinstance(modes, str) else tuple(modes)
@@ -138,8 +147,6 @@ def with_retried_searches(questions, share: float, seed: int = 0) -> list:
     ``with_search_modes`` like any other step's. Format-only SFT uses this to show that a second
     search is a legal move, without teaching *when* one pays: whether a question repeats a step, and
     which, depends only on (seed, question id), never on what the first search returned."""
-    import dataclasses
-
     if not 0.0 <= float(share) <= 1.0:
         raise ValueError(f"retry share must lie in [0, 1], got {share!r}")
     out = []
@@ -196,8 +203,7 @@ def _add_segment(builder, segment: str) -> None:
 def _play_batch(envs, questions, builders, script) -> list[float]:
     """Play golden episodes in lockstep; each round's retrievals go to the retriever as one batch
     (``envs.step_batch``), which is what makes building thousands of examples fast."""
-    from raggym.trajectory import chat_prompt_ids
-    from envs import step_batch
+    from raggym.trajectory import chat_prompt_ids  # torch: on use (see the imports)
 
     scripts, pending = [], []
     for env, q, builder in zip(envs, questions, builders):
@@ -261,10 +267,7 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
     A question without its own golden trajectory gets one derived from its evidence
     (``raggym.data.golden``: 2Wiki evidences, or its gold passages' titles, looked up in ``corpus``
     or else the retriever's corpus); one whose data determine none raises ``GoldenTrajectoryError``."""
-    from tqdm.auto import tqdm
-
-    from raggym.data.golden import with_golden_trajectories
-    from raggym.trajectory import RolloutBuilder
+    from raggym.trajectory import RolloutBuilder  # torch: on use (see the imports)
 
     _check_dialect(dialect)
     questions = list(questions)
@@ -319,7 +322,7 @@ def masked_cross_entropy(logits, token_ids, loss_mask):
 
     ``logits`` is ``[B, T, V]`` (position t predicts token t+1), ``token_ids`` and ``loss_mask``
     are ``[B, T]``. The loss of token t+1 counts when ``loss_mask[t+1] == 1``."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # on use (see the imports)
 
     targets = token_ids[:, 1:]
     mask = loss_mask[:, 1:].bool()
@@ -331,7 +334,7 @@ def masked_cross_entropy(logits, token_ids, loss_mask):
 
 def _masked_nll_sum(model, input_ids, attention_mask, loss_mask):
     """Sum of -log p over masked targets, computing the LM head only at those positions."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # on use (see the imports)
 
     mask = loss_mask[:, 1:].bool()
     targets = input_ids[:, 1:][mask]
@@ -375,7 +378,7 @@ def _check_examples(examples, max_seq_tokens: int) -> tuple[list[tuple[list[int]
 
 
 def _pad(rows, pad_id: int, device):
-    import torch
+    import torch  # on use (see the imports)
 
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -390,8 +393,6 @@ def _pad(rows, pad_id: int, device):
 
 def export_policy(model, tokenizer, final_dir: Path) -> Path:
     """Save an HF directory (safetensors) atomically: a temporary sibling renamed into place."""
-    from raggym.atomic import atomic_directory
-
     final_dir = Path(final_dir)
     with atomic_directory(final_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -469,11 +470,7 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
 
     Returns ``{"policy_dir", "steps", "loss_first", "loss_last", "seconds", "examples",
     "tokens_trained", ...}`` (also written to ``<out_dir>/sft_summary.json``)."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from raggym.atomic import atomic_write_json
-    from raggym.models import apply_lora, load_policy, lora_settings
+    import torch  # on use (see the imports)
 
     if int(epochs) < 1 or int(batch_size) < 1 or int(grad_accum) < 1 or int(max_seq_tokens) < 2:
         raise ValueError("epochs, batch_size and grad_accum must be >= 1 and max_seq_tokens >= 2")
@@ -583,12 +580,10 @@ def evaluate_policy(policy, questions, retriever, dialect: str, *, corpus=None, 
     """Greedy multi-turn episodes on ``questions`` in this process, scored by the one evaluator
     (``experiments.evaluate.evaluate_episodes``): exact match, the share of well-formed actions
     and of episodes ending in an answer, searches per question."""
-    from actors.engines.base import SamplingParams
+    from actors.engines.base import SamplingParams  # torch: on use (see the imports)
     from actors.engines.hf import HFEngine
+    from actors.runtime import InProcessRollouts
     from envs.rollout import RolloutConfig
-    from experiments.evaluate import evaluate_episodes
-    from experiments.runtime import InProcessRollouts
-    from raggym.protocol import get_dialect
 
     _check_dialect(dialect)
     questions = list(questions)
@@ -617,8 +612,6 @@ def evaluate_policy(policy, questions, retriever, dialect: str, *, corpus=None, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from raggym.protocol import DIALECTS as REGISTERED_DIALECTS
-
     p = argparse.ArgumentParser(prog="python -m experiments.sft", description=(
         "SFT cold start on golden trajectories of the synthetic world: builds the world and its index, plays "
         "golden episodes through the real environment, fine-tunes the policy on the model tokens and writes "
@@ -626,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="smollm2-135m", help="model spec for raggym.models.load_policy")
     # The live registry dict, not a copy: argparse checks membership when it parses, so a dialect
     # added with raggym.protocol.register_dialect after this parser was built is accepted too.
-    p.add_argument("--dialect", default="routerag", choices=REGISTERED_DIALECTS,
+    p.add_argument("--dialect", default="routerag", choices=DIALECTS,
                    help="a registered dialect name (the six built-ins or one added with register_dialect)")
     p.add_argument("--synthetic-seed", type=int, default=0, help="seed of the synthetic world")
     p.add_argument("--entities", type=int, default=300, help="entities in the synthetic world")
@@ -654,9 +647,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from raggym.data.synthetic import generate_world
-    from raggym.models import load_policy_tokenizer
-    from raggym.retrieval import Retriever
 
     quiet = args.json
     world = generate_world(seed=args.synthetic_seed, n_entities=args.entities, max_hops=args.max_hops,
@@ -693,7 +683,6 @@ def main(argv: list[str] | None = None) -> int:
                                 top_k=args.top_k, max_observation_tokens=args.max_observation_tokens,
                                 num_threads=args.threads)
         summary["eval"] = {"before": before, "after": after}
-    from raggym.atomic import atomic_write_json
 
     atomic_write_json(Path(args.out) / "sft_summary.json", summary)
     if args.json:

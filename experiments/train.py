@@ -20,18 +20,33 @@ parameters equal those of an uninterrupted run. docs/architecture.md follows one
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
 
 import torch
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
+import envs
+from actors.cluster import init_ray
+from actors.learner import LearnerConfig
+from actors.runtime import bound_staleness, learner_config, make_runtime, takes_knowledge_bases
+from actors.storage import RunStorage, StorageError, stage_on_every_node
 from experiments.config import ConfigError, load_config, to_plain, validate_config
-from experiments.training import (episode_requests, golden_steps_for, latest_checkpoint, load_run_data,
+from experiments.evaluate import evaluate_episodes
+from experiments.sft import golden_examples, run_sft
+from experiments.training import (RunData, episode_requests, golden_steps_for, latest_checkpoint, load_run_data,
                                   open_run_storage, restore_checkpoint, reward_schedule, round_seed_index,
-                                  sampling_params, save_checkpoint, sft_cold_start, step_metrics, dump_rollouts,
-                                  mode_choice_slot)
+                                  sampling_params, save_checkpoint, step_metrics, dump_rollouts, mode_choice_slot)
+from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
+from raggym.algorithms.batch import assemble_batch, mode_choice_fields, teacher_fields
+from raggym.data.sampler import PromptSampler
+from raggym.learning_log import MetricsLogger
+from raggym.models import load_policy_tokenizer
+from raggym.retrieval import Retriever
+from raggym.rewards.r1_router import TEXT_KB
 
 
 def open_runtime(cfg):
@@ -40,9 +55,6 @@ def open_runtime(cfg):
     ``train(cfg_i, runtime=rt)`` for each stage, ``experiments.evaluate.evaluate(..., runtime=rt)``
     between them. The caller shuts it down. Not for runs with an SFT cold start (the cold start
     decides the policy the runtime would load)."""
-    from actors.cluster import init_ray
-    from experiments.runtime import make_runtime, takes_knowledge_bases
-
     validate_config(cfg)
     if cfg.sft.enabled:
         raise ValueError("open_runtime: this run starts with an SFT cold start (sft.enabled), which decides the "
@@ -65,24 +77,52 @@ def _check_shared_runtime(runtime, cfg) -> None:
         raise ValueError("train: the given runtime has no learners (it was built for evaluation only)")
 
 
+def sft_cold_start(cfg, storage: RunStorage, data: RunData) -> dict | None:
+    """GraphRAG-R1's cold start: SFT on golden episodes before RL, once per run.
+
+    Its summary (``sft/sft_summary.json`` on the run's storage, written last and atomically)
+    records the fine-tuned policy directory; a resumed run reads it instead of training again.
+    ``storage``: the run's (``open_run_storage``).
+    """
+    if not cfg.sft.enabled:
+        return None
+    summary_rel = "sft/sft_summary.json"
+    if storage.exists(summary_rel) and storage.exists("sft/policy/config.json"):
+        summary = json.loads(storage.read_text(summary_rel))
+        stage_on_every_node(storage, "sft/policy")  # remote storage: a local copy on every node
+        print(f"[train] SFT cold start already done: {summary['policy_dir']}", flush=True)
+        return summary
+    if cfg.run.resume and latest_checkpoint(storage) is not None:
+        raise RuntimeError(f"{storage.uri()} has RL checkpoints but no SFT summary at {storage.uri(summary_rel)}; "
+                           "the RL policy's starting point is unknown (restore the sft/ folder or start a new run)")
+    dialect = envs.SEARCH_ENV_IDS.get(cfg.env.id)
+    if dialect is None:
+        raise ConfigError(f"sft.enabled: the SFT cold start plays golden episodes of a search environment, not {cfg.env.id}")
+    env_kwargs = dict(to_plain(cfg.env.kwargs) or {})
+    top_k = int(env_kwargs.pop("top_k", 3))
+    s = cfg.sft
+    chosen = list(data.questions if s.max_examples is None else data.questions[: int(s.max_examples)])
+    examples = golden_examples(chosen, Retriever.load(str(data.index_dirs[TEXT_KB])), dialect,
+                               load_policy_tokenizer(cfg.policy.model), corpus=data.corpus, top_k=top_k,
+                               max_observation_tokens=int(cfg.rollout.max_observation_tokens), env_kwargs=env_kwargs,
+                               show_progress=True)
+    # The policy is written to sft/policy under the storage (its staging copy when remote), whose
+    # local path is the same on every node: that path is what the summary records.
+    summary = run_sft(cfg.policy.model, examples, storage.local("sft"), epochs=int(s.epochs), lr=float(s.lr),
+                      batch_size=int(s.batch_size), grad_accum=int(s.grad_accum), max_seq_tokens=int(s.max_seq_tokens),
+                      seed=int(cfg.run.seed), lora=to_plain(s.lora), num_threads=cfg.learner.get("num_threads"))
+    if storage.is_remote:
+        storage.upload(storage.local("sft/policy"), "sft/policy")
+        storage.write_text(summary_rel, json.dumps(summary))  # last: its presence means the policy is stored
+        stage_on_every_node(storage, "sft/policy")
+    return summary
+
+
 def train(cfg, runtime=None) -> dict:
     """Run ``cfg`` (from ``load_config``) to ``run.steps``; returns the last step's record.
 
     ``runtime``: an open runtime from ``open_runtime`` to train on and leave open (the next stage
     resumes on it with ``run.resume=true``); by default the run builds its own and shuts it down."""
-    import copy
-
-    from tqdm.auto import tqdm
-
-    from actors.cluster import init_ray
-    from actors.learner import LearnerConfig
-    from experiments.evaluate import evaluate_episodes
-    from experiments.runtime import bound_staleness, learner_config, make_runtime, takes_knowledge_bases
-    from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
-    from raggym.algorithms.batch import assemble_batch, mode_choice_fields, teacher_fields
-    from raggym.data.sampler import PromptSampler
-    from raggym.learning_log import MetricsLogger
-
     validate_config(cfg)
     cfg = copy.deepcopy(cfg)  # the SFT cold start may point policy.model at its output
     if cfg.runtime == "ray":
@@ -238,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from actors.storage import StorageError
 
     try:
         last = train(cfg)

@@ -1,24 +1,40 @@
-"""The training recipe's components: run data, episode requests, rewards, metrics, checkpoints, SFT.
+"""The training recipe's components: run data, episode requests, rewards, metrics, checkpoints.
 
 Each is a small function the recipe (``experiments/train.py``) calls in Algorithm-1 order, tested
-on its own. Nothing here starts Ray; the runtime (``experiments/runtime.py``) does.
+on its own. Nothing here starts Ray; the runtime (``actors/runtime.py``) does.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import gymnasium
 import numpy as np
+import ray
 import torch
+from gymnasium.envs.registration import load_env_creator
 
+import envs  # noqa: F401  (registers the env ids)
+from actors.engines.base import SamplingParams
+from actors.storage import RunStorage, check_storage_on_every_node, stage_on_every_node
 from envs.rollout import EpisodeRequest
 from experiments.config import ConfigError, mode_slot_of, to_plain
+from experiments.judge import make_judge
+from raggym.atomic import atomic_write
+from raggym.data import load_corpus, load_questions
+from raggym.data.synthetic import generate_world
+from raggym.models import load_embedder
+from raggym.retrieval import ensure_index
 from raggym.rewards.r1_router import TABLE_KB, TEXT_KB
+from raggym.rewards.schedules import reward_schedule_from_config
+from raggym.seeding import derive_seed
 
 
 # ----------------------------------------------------------------------------- data
@@ -40,12 +56,8 @@ def open_run_storage(cfg) -> "RunStorage":
     With Ray running, a relative path on a cluster of several nodes is an error, and every alive
     node is probed: it must read what the driver wrote and the driver what it wrote.
     """
-    from actors.storage import RunStorage, check_storage_on_every_node
-
     nodes = 1
     if cfg.runtime == "ray":
-        import ray
-
         if ray.is_initialized():
             nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
     for key in ("index_dir", "table_index_dir"):
@@ -60,9 +72,6 @@ def open_run_storage(cfg) -> "RunStorage":
 def _stored_index(location, default: "RunStorage", rel: str, corpus, **build) -> Path:
     """An index at ``location`` (or ``rel`` under the run's storage): built once, uploaded, and
     staged on every node when the storage is remote; returns the local path every node can read."""
-    from actors.storage import RunStorage, stage_on_every_node
-    from raggym.retrieval import ensure_index
-
     storage, rel = (RunStorage.resolve(location), "") if location else (default, rel)
     if storage.is_remote and not storage.exists(f"{rel}/manifest.json".lstrip("/")):
         storage.upload(ensure_index(storage.local(rel), corpus, **build), rel)
@@ -77,15 +86,10 @@ def load_run_data(cfg, out_dir, *, multi_kb: bool = False) -> RunData:
 
     ``out_dir`` is the run's storage (``open_run_storage``) or a local directory.
     """
-    from actors.storage import RunStorage
-    from raggym.data import load_corpus, load_questions
-
     storage = out_dir if isinstance(out_dir, RunStorage) else RunStorage.resolve(out_dir)
     data = cfg.data
     world = None
     if data.source == "synthetic":
-        from raggym.data.synthetic import generate_world
-
         world = generate_world(**to_plain(data.synthetic))
         corpus, questions, openie = world.corpus, world.questions, world.openie
     else:
@@ -148,11 +152,6 @@ def golden_steps_for(cfg, questions: Sequence = ()):
     """
     if cfg.advantage.estimator != "step_grpo":
         return None
-    import gymnasium
-    from gymnasium.envs.registration import load_env_creator
-
-    import envs  # noqa: F401
-
     creator = gymnasium.spec(cfg.env.id).entry_point
     creator = load_env_creator(creator) if isinstance(creator, str) else creator
     if not hasattr(creator, "golden_step_options"):
@@ -169,9 +168,6 @@ def round_seed_index(step: int, sampling_round: int) -> int:
 
 
 def sampling_params(cfg, seed_index: int, temperature: float | None = None):
-    from actors.engines.base import SamplingParams
-    from raggym.seeding import derive_seed
-
     t = float(cfg.rollout.temperature if temperature is None else temperature)
     return SamplingParams(temperature=t, top_p=float(cfg.rollout.top_p) if t > 0 else 1.0,
                           seed=derive_seed(int(cfg.run.seed), seed_index))
@@ -182,8 +178,6 @@ def sampling_params(cfg, seed_index: int, temperature: float | None = None):
 
 def make_embed(spec: str):
     """A cached sentence embedder as ``texts -> [n, d]`` (LWS's query similarity, R1-Router's sim)."""
-    from raggym.models import load_embedder
-
     embedder = load_embedder(spec)
     return lambda texts: embedder.encode(list(texts))
 
@@ -192,9 +186,6 @@ def reward_schedule(cfg):
     """The ``reward:`` section as a schedule; the embedder spec becomes an embedding function and
     LWS's ``judge`` section an LLM judge (``experiments.judge``), kept as ``schedule.judge`` so
     that in-training evaluation decides correctness the same way (None: EM / F1 ≥ 0.5)."""
-    from experiments.judge import make_judge
-    from raggym.rewards.schedules import reward_schedule_from_config
-
     options = dict(to_plain(cfg.reward))
     embedder = options.pop("embedder", "minilm")
     embed = make_embed(embedder) if options["method"] in ("lws", "r1_router") else None
@@ -228,8 +219,6 @@ def step_metrics(rollouts: Sequence, rewards: torch.Tensor | Sequence[float], ad
 
 
 def dump_rollouts(out_dir: Path, step: int, rollouts, rewards, advantages) -> None:
-    from raggym.atomic import atomic_write
-
     lines = (json.dumps({**r.as_dict(), "reward": float(rw), "advantage": float(a)}) + "\n"
              for r, rw, a in zip(rollouts, rewards, advantages))
     atomic_write(out_dir / "trajectories" / f"step-{step:06d}.jsonl", lambda fh: fh.writelines(lines))
@@ -242,8 +231,6 @@ CHECKPOINT_MARKER = "trainer_state.json"  # written last: a checkpoint directory
 
 
 def _as_storage(location):
-    from actors.storage import RunStorage
-
     return location if isinstance(location, RunStorage) else RunStorage.resolve(location)
 
 
@@ -266,9 +253,6 @@ def _hold_before_commit(tmp: str, step: int) -> None:
     """Test hook: with ``RAGGYM_TEST_HOLD_CHECKPOINT=<step>`` the save of that step stops after
     every file is written and before the commit, says so on stdout and waits (an hour), so that a
     test can kill the trainer in the middle of a save at a known point (tests/test_train_e2e.py)."""
-    import os
-    import time
-
     held = os.environ.get(HOLD_CHECKPOINT_ENV)
     if held is not None and int(held) == step:
         print(f"[train] holding checkpoint {tmp} before its commit ({HOLD_CHECKPOINT_ENV}={held})", flush=True)
@@ -281,15 +265,11 @@ def _learner_actors(learners) -> list:
 
 
 def _upload_in_actor(actor_self, storage_root: str, local_dir: str, rel: str) -> None:
-    from actors.storage import RunStorage
-
     RunStorage(storage_root).upload(local_dir, rel)
     shutil.rmtree(local_dir, ignore_errors=True)
 
 
 def _download_in_actor(actor_self, storage_root: str, rel: str) -> str:
-    from actors.storage import RunStorage
-
     return str(RunStorage(storage_root).download(rel))
 
 
@@ -303,8 +283,6 @@ def save_checkpoint(learners, out_dir, step: int, trainer_state: dict, keep: int
     matter which nodes the driver and learner rank 0 run on. With remote storage rank 0 writes
     into its node's staging directory and uploads from there (inside its own actor).
     """
-    import ray
-
     storage = _as_storage(out_dir)
     tmp_rel, final_rel = f"checkpoints/.tmp-step-{step:06d}", f"checkpoints/step-{step:06d}"
     storage.remove(tmp_rel)
@@ -330,8 +308,6 @@ def restore_checkpoint(learners, out_dir, checkpoint) -> dict:
 
     With remote storage every learner rank downloads it to its node's staging directory first.
     """
-    import ray
-
     storage = _as_storage(out_dir)
     rel = str(checkpoint)[len(storage.uri()):].lstrip("/")
     state = json.loads(storage.read_text(f"{rel}/{CHECKPOINT_MARKER}"))
@@ -344,54 +320,3 @@ def restore_checkpoint(learners, out_dir, checkpoint) -> dict:
             storage.download(rel)
     learners.load_checkpoint(local)
     return state
-
-
-# ----------------------------------------------------------------------------- SFT cold start
-
-
-def sft_cold_start(cfg, out_dir: Path, data: RunData) -> dict | None:
-    """GraphRAG-R1's cold start: SFT on golden episodes before RL, once per run.
-
-    Its summary (``sft/sft_summary.json`` on the run's storage, written last and atomically)
-    records the fine-tuned policy directory; a resumed run reads it instead of training again.
-    """
-    if not cfg.sft.enabled:
-        return None
-    from actors.storage import stage_on_every_node
-
-    storage = _as_storage(out_dir)
-    summary_rel = "sft/sft_summary.json"
-    if storage.exists(summary_rel) and storage.exists("sft/policy/config.json"):
-        summary = json.loads(storage.read_text(summary_rel))
-        stage_on_every_node(storage, "sft/policy")  # remote storage: a local copy on every node
-        print(f"[train] SFT cold start already done: {summary['policy_dir']}", flush=True)
-        return summary
-    if cfg.run.resume and latest_checkpoint(storage) is not None:
-        raise RuntimeError(f"{storage.uri()} has RL checkpoints but no SFT summary at {storage.uri(summary_rel)}; "
-                           "the RL policy's starting point is unknown (restore the sft/ folder or start a new run)")
-    import envs
-    from experiments.sft import golden_examples, run_sft
-    from raggym.models import load_policy_tokenizer
-    from raggym.retrieval import Retriever
-
-    dialect = envs.SEARCH_ENV_IDS.get(cfg.env.id)
-    if dialect is None:
-        raise ConfigError(f"sft.enabled: the SFT cold start plays golden episodes of a search environment, not {cfg.env.id}")
-    env_kwargs = dict(to_plain(cfg.env.kwargs) or {})
-    top_k = int(env_kwargs.pop("top_k", 3))
-    s = cfg.sft
-    chosen = list(data.questions if s.max_examples is None else data.questions[: int(s.max_examples)])
-    examples = golden_examples(chosen, Retriever.load(str(data.index_dirs[TEXT_KB])), dialect,
-                               load_policy_tokenizer(cfg.policy.model), corpus=data.corpus, top_k=top_k,
-                               max_observation_tokens=int(cfg.rollout.max_observation_tokens), env_kwargs=env_kwargs,
-                               show_progress=True)
-    # The policy is written to sft/policy under the storage (its staging copy when remote), whose
-    # local path is the same on every node: that path is what the summary records.
-    summary = run_sft(cfg.policy.model, examples, storage.local("sft"), epochs=int(s.epochs), lr=float(s.lr),
-                      batch_size=int(s.batch_size), grad_accum=int(s.grad_accum), max_seq_tokens=int(s.max_seq_tokens),
-                      seed=int(cfg.run.seed), lora=to_plain(s.lora), num_threads=cfg.learner.get("num_threads"))
-    if storage.is_remote:
-        storage.upload(storage.local("sft/policy"), "sft/policy")
-        storage.write_text(summary_rel, json.dumps(summary))  # last: its presence means the policy is stored
-        stage_on_every_node(storage, "sft/policy")
-    return summary

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tensorboardX import SummaryWriter
+
 from raggym.atomic import atomic_write_text
 
 # The per-step JSONL files a run appends to; a resumed run rewinds them to its checkpoint.
@@ -13,7 +15,7 @@ STEP_LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
 
 class MetricsLogger:
     """``metrics.jsonl`` (every step), ``samples.jsonl`` (a few decoded episodes per step) and
-    TensorBoard event files under ``tb/`` (when tensorboardX is installed)."""
+    TensorBoard event files under ``tb/``."""
 
     def __init__(self, out_dir: str | Path, samples_per_step: int = 2):
         self.out = Path(out_dir)
@@ -21,12 +23,7 @@ class MetricsLogger:
         self.metrics = (self.out / "metrics.jsonl").open("a", encoding="utf-8")
         self.samples = (self.out / "samples.jsonl").open("a", encoding="utf-8")
         self.samples_per_step = samples_per_step
-        try:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.out / "tb"))
-        except ImportError:  # pragma: no cover - tensorboardX is a core dependency
-            self.tb = None
+        self.tb = SummaryWriter(str(self.out / "tb"))
 
     def rewind(self, step: int) -> int:
         """Drop the lines logged after ``step`` (a run killed after logging a step but before its
@@ -51,11 +48,10 @@ class MetricsLogger:
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         step = int(record.get("step", 0))
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self.tb.add_scalar(key, value, step)
-            self.tb.flush()
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                self.tb.add_scalar(key, value, step)
+        self.tb.flush()
         for t, r, a in list(zip(trajectories, rewards, advantages))[: self.samples_per_step]:
             ep = t.get("episode", {})
             self.samples.write(json.dumps({"step": step, "question": ep.get("question"), "answer": ep.get("answer"),
@@ -66,5 +62,4 @@ class MetricsLogger:
     def close(self) -> None:
         self.metrics.close()
         self.samples.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.tb.close()

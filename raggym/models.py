@@ -28,6 +28,10 @@ import numpy as np
 from raggym.atomic import atomic_directory
 from raggym.config_util import dataclass_from_mapping
 
+# torch, transformers, peft, huggingface_hub and tqdm are imported inside the functions that load or
+# run a model: `import raggym, envs` (through raggym.retrieval) and the config code import this module
+# for its specs and settings, and should not pay the seconds those imports take.
+
 DEFAULT_POLICY = "smollm2-135m"
 DEFAULT_EMBEDDER = "minilm"
 

@@ -21,6 +21,7 @@ but its extractions are poor; use a larger instruct model (any HF id or path) fo
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -29,6 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+from tqdm.auto import tqdm
+
+from raggym.data import atomic_write
+from raggym.models import cache_dir, load_policy
 from raggym.retrieval.openie_io import PassageTriples, openie_docs
 
 PROMPT_VERSION = "v1"
@@ -118,8 +124,6 @@ def _json_values(text: str):
     Python-style literals with single quotes (a common small-model slip) are accepted through
     ``ast.literal_eval``, which only evaluates literals and never runs code.
     """
-    import ast
-
     decoder = json.JSONDecoder()
     i = 0
     while True:
@@ -220,8 +224,6 @@ class HFGenerator:
     def __init__(self, model=None, tokenizer=None, *, spec: str = "smollm2-135m", device: str = "cpu",
                  threads: int | None = None, repetition_penalty: float = 1.0):
         if model is None or tokenizer is None:
-            from raggym.models import load_policy
-
             model, tokenizer = load_policy(spec, device=device)
             self.name = spec
         else:
@@ -231,8 +233,6 @@ class HFGenerator:
         self.repetition_penalty = repetition_penalty
 
     def __call__(self, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
-        import torch
-
         tok = self.tokenizer
         prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         old_side = tok.padding_side
@@ -288,8 +288,6 @@ class LLMOpenIE:
         self.model_name = getattr(generator, "name", None) or model
         self._spec = model
         if cache_path is None:
-            from raggym.models import cache_dir
-
             safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(self.model_name))[:60]
             cache_path = cache_dir() / "openie" / f"{safe}-{PROMPT_VERSION}.jsonl"
         self.cache_path = Path(cache_path)
@@ -335,8 +333,6 @@ class LLMOpenIE:
 
     def extract(self, passages: Sequence, *, show_progress: bool = True) -> list[PassageTriples]:
         """Entities and triples for each passage (objects with ``title`` and ``text``), in order."""
-        from tqdm.auto import tqdm
-
         cache = self._load_cache()
         keys = [self.key(p.title, p.text) for p in passages]
         todo = list(dict.fromkeys(i for i, k in enumerate(keys) if k not in cache))
@@ -366,8 +362,6 @@ class LLMOpenIE:
 def run_openie(corpus, out_path: str | os.PathLike, *, extractor: LLMOpenIE | None = None,
                show_progress: bool = True) -> Path:
     """Extract triples for a whole corpus and write a HippoRAG-format OpenIE file (atomically)."""
-    from raggym.data import atomic_write
-
     extractor = extractor or LLMOpenIE()
     per_passage = extractor.extract(list(corpus), show_progress=show_progress)
     doc = openie_docs(corpus, per_passage)

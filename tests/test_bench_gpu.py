@@ -1,10 +1,10 @@
-"""experiments/bench_gpu.py on CPU with tiny shapes: argument parsing, per-section isolation, JSON shape."""
+"""experiments/bench/gpu.py on CPU with tiny shapes: argument parsing, per-section isolation, JSON shape."""
 
 import json
 
 import pytest
 
-from experiments import bench_gpu
+from experiments.bench import gpu as bench_gpu
 
 
 def test_shape_specs_parse_and_reject_garbage():

@@ -1,4 +1,4 @@
-"""experiments/bench_runtime.py's pure helpers: flag parsing, pooled rates, log-prob drift, the
+"""experiments/bench/runtime.py's pure helpers: flag parsing, pooled rates, log-prob drift, the
 engines' side-by-side summary and the process-tree memory sampler. No engine runs here."""
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from experiments import bench_runtime as bench
+from experiments.bench import runtime as bench
 
 
 def test_engine_and_dtype_flags_keep_order_drop_repeats_and_reject_unknown_names():

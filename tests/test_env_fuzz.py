@@ -2,7 +2,7 @@
 
 ``make test`` runs a bounded number of examples per dialect; the ``slow`` tests run 10,000
 segments per dialect (``pytest -m slow tests/test_env_fuzz.py``), as does
-``python -m experiments.bench_env``.
+``python -m experiments.bench.env``.
 """
 
 from __future__ import annotations

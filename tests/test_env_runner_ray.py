@@ -101,7 +101,7 @@ def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_sessi
 
 
 def test_the_runtime_keeps_each_group_on_one_runner_and_sums_the_runners_counts(ray_session, sharded_index, small_world):
-    from experiments.runtime import RayRuntime
+    from actors.runtime import RayRuntime
 
     service, _, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
     Worker = RolloutWorker.as_remote(num_cpus=0.25)

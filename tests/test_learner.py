@@ -603,7 +603,7 @@ def test_theta_p_is_one_key_for_the_routes_and_the_teacher_selection():
     from pathlib import Path
 
     from experiments.config import ConfigError, load_config
-    from experiments.runtime import learner_config
+    from actors.runtime import learner_config
 
     tiny = str(Path(__file__).resolve().parents[1] / "experiments" / "configs" / "pathrouter_tiny.yaml")
     with pytest.raises(ConfigError, match="reward.evidence_threshold"):

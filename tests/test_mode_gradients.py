@@ -1,4 +1,4 @@
-"""The mode-slot gradient diagnostic (``experiments.mode_gradients``): the alignment maths by hand
+"""The mode-slot gradient diagnostic (``experiments.studies.mode_gradients``): the alignment maths by hand
 and under hypothesis, and the gradient itself on a tiny random Llama against a finite difference."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.mode_gradients import gradient_alignment, mean_mode_gradient, mode_gradient_alignment
-from experiments.routing import graph_preference
+from experiments.studies.mode_gradients import gradient_alignment, mean_mode_gradient, mode_gradient_alignment
+from experiments.studies.routing import graph_preference
 
 
 def test_alignment_figures_by_hand():
@@ -135,7 +135,7 @@ def test_an_example_without_a_mode_slot_is_named(tiny):
 
 
 def test_cli_refuses_a_folder_that_is_not_a_routing_run(tmp_path, capsys):
-    from experiments.mode_gradients import main
+    from experiments.studies.mode_gradients import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--task", str(tmp_path), "smollm2-135m"])
@@ -144,7 +144,7 @@ def test_cli_refuses_a_folder_that_is_not_a_routing_run(tmp_path, capsys):
 
 
 def test_routing_accuracy_by_hand():
-    from experiments.mode_gradients import routing_accuracy
+    from experiments.studies.mode_gradients import routing_accuracy
 
     # graph_only right when p(graph) > 0.5, direct right when < 0.5: right, wrong, right, wrong
     assert routing_accuracy({"graph_only": [0.7, 0.4], "direct": [0.2, 0.6]}) == 0.5
@@ -156,7 +156,7 @@ def test_the_type_right_signal_splits_the_mode_slot(tiny):
     direct ones passage; step 0 is the policy as given (a negated target or a dropped step fails)."""
     import copy
 
-    from experiments.mode_gradients import supervised_split
+    from experiments.studies.mode_gradients import supervised_split
 
     model, tokenizer, probes = tiny
     model = copy.deepcopy(model)  # the fixture's model stays untrained for the other tests

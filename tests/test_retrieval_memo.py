@@ -20,7 +20,7 @@ from envs import RagSearchEnv
 from envs.retrieval_memo import COUNTERS, RetrievalMemo
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RetrievalBatcher, RolloutConfig
 from envs.stepping import RetrievalRequest, run_retrieval
-from experiments.runtime import group_chunks
+from actors.runtime import group_chunks
 from raggym.data.types import Question
 from test_envs_support import PASSAGES, make_retriever
 

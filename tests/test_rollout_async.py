@@ -14,7 +14,7 @@ from actors.engines import SamplingParams, make_engine
 from envs.session_adapter import BatchingSessionEngine, cut_result
 from envs import RagSearchEnv
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
-from experiments.runtime import bound_staleness
+from actors.runtime import bound_staleness
 from raggym.staleness import drop_stale, rollout_staleness
 from raggym.trajectory import Rollout
 

@@ -26,7 +26,7 @@ import pytest
 
 from experiments.config import load_config
 from experiments.report import read_jsonl
-from experiments.routing import EVAL_KWARGS, RL_CONFIG, build_task, format_only_sft, graph_preference, mode_probes
+from experiments.studies.routing import EVAL_KWARGS, RL_CONFIG, build_task, format_only_sft, graph_preference, mode_probes
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

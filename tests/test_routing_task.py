@@ -1,5 +1,5 @@
 """The routing task (synthetic ``task="routing"``), format-only SFT modes and the learning-proof
-report's arithmetic (``experiments.routing``)."""
+report's arithmetic (``experiments.studies.routing``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.routing import graph_share, rl_effect, summarise, targets, typed_metrics
+from experiments.studies.routing import graph_share, rl_effect, summarise, targets, typed_metrics
 from experiments.sft import with_search_modes
 from raggym.data.synthetic import RELATIONS, WorldConfig, generate_world
 
@@ -122,7 +122,7 @@ def test_typed_metrics_by_hand():
 
 
 def test_repeated_heldout_questions_keep_their_type(tmp_path, world):
-    from experiments.routing import RoutingTask, repeated_questions
+    from experiments.studies.routing import RoutingTask, repeated_questions
     from raggym.data import write_questions
 
     heldout = world.questions[:5]
@@ -199,7 +199,7 @@ def test_graph_preference_effect_entries_by_hand():
 
 
 def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
-    from experiments.routing import SeedSettings, _seed_settings_key, build_parser, finished_seed
+    from experiments.studies.routing import SeedSettings, _seed_settings_key, build_parser, finished_seed
 
     args = build_parser().parse_args(["--seeds", "0"])
     settings = SeedSettings(overrides=("learner.optimizer.lr=1e-5",))
@@ -213,7 +213,7 @@ def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
 
 
 def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_path):
-    from experiments.routing import SeedSettings, _seed_settings_key, build_parser, reused_sft
+    from experiments.studies.routing import SeedSettings, _seed_settings_key, build_parser, reused_sft
 
     args = build_parser().parse_args(["--seeds", "0", "--sft-from", str(tmp_path)])
     assert args.sft_from == str(tmp_path)
@@ -246,7 +246,7 @@ def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_pa
 
 
 def test_retry_and_response_budget_flags():
-    from experiments.routing import SeedSettings, build_parser
+    from experiments.studies.routing import SeedSettings, build_parser
 
     args = build_parser().parse_args(["--sft-retry-share", "0.5", "--max-response-tokens", "144"])
     assert (args.sft_retry_share, args.max_response_tokens) == (0.5, 144)
@@ -255,7 +255,7 @@ def test_retry_and_response_budget_flags():
 
 
 def test_sft_modes_weight_the_draw_and_reject_typos(world):
-    from experiments.routing import sft_modes
+    from experiments.studies.routing import sft_modes
 
     assert sft_modes("passage, passage,graph") == ("passage", "passage", "graph")
     for bad in ("", "passage,grpah", "text"):
@@ -271,7 +271,7 @@ def test_sft_modes_weight_the_draw_and_reject_typos(world):
 def test_sft_order_and_schedule_flags(capsys):
     import random
 
-    from experiments.routing import SFT_ORDERS, SeedSettings, build_parser, graph_searches
+    from experiments.studies.routing import SFT_ORDERS, SeedSettings, build_parser, graph_searches
 
     args = build_parser().parse_args(["--sft-order", "per-question", "--sft-lr-schedule", "linear",
                                       "--sft-mode-sampling", "every"])

@@ -11,7 +11,7 @@ import torch
 from actors.engines.base import SamplingParams
 from envs import MultiKBRouteEnv
 from envs.rollout import RolloutConfig
-from experiments.runtime import GOLD_KB_NAMES, InProcessRollouts
+from actors.runtime import GOLD_KB_NAMES, InProcessRollouts
 from experiments.training import episode_requests
 from raggym.algorithms import get_advantage_estimator
 from raggym.rewards import EpisodeOutcome

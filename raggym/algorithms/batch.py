@@ -12,6 +12,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from raggym.algorithms.spans import teacher_kl_mask_from_labels
+
 TrainBatch = dict[str, torch.Tensor]
 
 
@@ -101,6 +103,7 @@ def mode_choice_mask(rollout, tokenizer, slot_pattern: str) -> list[float]:
     model wrote. A match in the prompt or in an observation is not the model's choice and is
     never marked; a slot the model left unfinished marks nothing.
     """
+    # Imported here: raggym.trajectory imports raggym.algorithms, whose __init__ imports this module.
     from raggym.trajectory import token_char_offsets
 
     slot = re.compile(slot_pattern)
@@ -129,7 +132,7 @@ def teacher_fields(rollouts: Sequence, tokenizer, max_evidence_tokens: int) -> T
     so student token ``t ≥ prompt_length`` is teacher token ``len(teacher prompt) + t − prompt_length``.
     ``evidence_overlap`` is read from each rollout's outcome (computed once there).
     """
-    from raggym.algorithms.spans import teacher_kl_mask_from_labels
+    # Imported here: raggym.trajectory imports raggym.algorithms, whose __init__ imports this module.
     from raggym.trajectory import chat_prompt_ids
 
     rows, positions, masks = [], [], []

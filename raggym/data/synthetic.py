@@ -47,9 +47,13 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
 
 from raggym.atomic import atomic_directory
 
+from .loaders import write_jsonl, write_questions
 from .types import Corpus, Passage, Question
 
 ENTITY_TYPES = ("person", "film", "company", "university", "city", "country")
@@ -626,8 +630,6 @@ def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_forma
     ``attribute_kb='table'``) and ``world.json`` (config and statistics). Everything is written
     into a temporary sibling directory that is renamed into place at the end.
     """
-    from tqdm.auto import tqdm
-
     if corpus_format not in ("jsonl", "json", "parquet"):
         raise ValueError(f"corpus_format must be jsonl, json or parquet, got {corpus_format!r}")
     started = time.perf_counter()
@@ -678,15 +680,11 @@ def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_forma
         table_of = None
         n_tables = 0
         if config.attribute_kb == "table":
-            from .loaders import write_jsonl
-
             tables = list(world.iter_tables())
             write_jsonl(tmp / "tables.jsonl", (t.as_dict() for t in tables))
             n_tables = len(tables)
             table_of = world.table_passage_for()
         questions = world._questions(fact_passage, table_of)
-        from .loaders import write_questions
-
         write_questions(tmp / "questions.jsonl", questions)
         stats = _stats(config, world.entities, n_passages, n_triples, n_tables, questions)
         stats["seconds"] = round(time.perf_counter() - started, 3)
@@ -695,9 +693,6 @@ def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_forma
 
 
 def _flush_parquet(path: Path, writer, batch: list[dict]):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     schema = pa.schema([("id", pa.string()), ("title", pa.string()), ("text", pa.string())])
     if not batch:
         return writer

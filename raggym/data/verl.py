@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from raggym.atomic import atomic_write
+from raggym.protocol import get_dialect
 
 if TYPE_CHECKING:  # imported for annotations only: types imports nothing from here
     from .types import Corpus, Question
@@ -153,6 +154,7 @@ def question_from_prompt(prompt: Any, marker: str | re.Pattern = QUESTION_MARKER
 
 
 def _verl_schema():
+    # pyarrow is imported on first use: it would add about a fifth to the time of `import raggym, envs`.
     import pyarrow as pa
 
     return pa.schema([
@@ -231,10 +233,9 @@ def write_verl_parquet(path: str | os.PathLike, questions: Iterable["Question"],
     ``extra_info.supporting_facts`` for tools that name evidence by title; gold passage ids are
     always written to ``extra_info.gold_passage_ids``. The write is atomic.
     """
+    # pyarrow is imported on first use: it would add about a fifth to the time of `import raggym, envs`.
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from raggym.protocol import get_dialect
 
     speaker = get_dialect(dialect)
     rows = []

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from raggym.protocol.base import Dialect
+from raggym.protocol.action import ANSWER, ROUTE, SEARCH
+from raggym.protocol.base import Dialect, _close_literal, _open_literal
 from raggym.protocol.graph_r1 import GraphR1Dialect
 from raggym.protocol.graphrag_r1 import GraphRAGR1Dialect
 from raggym.protocol.lws import LWSDialect
@@ -50,9 +51,8 @@ def register_dialect(cls: type[Dialect], *, replace: bool = False) -> Dialect:
     observation block OBSERVATION. The six built-in names cannot be replaced. In a multi-process
     run, register in a module that every process imports (for example the module holding the
     environment's gymnasium entry point). Returns the shared instance."""
+    # Imported on use: raggym.algorithms.spans imports torch, which `import raggym, envs` avoids.
     from raggym.algorithms.spans import DIALECT_TAGS, SpanLabel, TagRule
-    from raggym.protocol.action import ANSWER, ROUTE, SEARCH
-    from raggym.protocol.base import _close_literal, _open_literal
 
     if not (isinstance(cls, type) and issubclass(cls, Dialect)):
         raise TypeError(f"register_dialect expects a Dialect subclass, got {cls!r}")
@@ -75,6 +75,7 @@ def register_dialect(cls: type[Dialect], *, replace: bool = False) -> Dialect:
 
 def unregister_dialect(name: str) -> None:
     """Remove a dialect added with ``register_dialect`` (built-ins stay)."""
+    # Imported on use: raggym.algorithms.spans imports torch, which `import raggym, envs` avoids.
     from raggym.algorithms.spans import DIALECT_TAGS
 
     if name in DIALECT_NAMES:

@@ -39,6 +39,7 @@ INDEX_KINDS = ("flat", "hnsw", "ivf")
 
 
 def _faiss():
+    # faiss is imported on use: `import raggym, envs` does not need it.
     import faiss
 
     return faiss
@@ -189,16 +190,13 @@ class _BlasForBatches:
     """
 
     def __enter__(self):
-        import faiss
-
-        self.old = faiss.cvar.distance_compute_blas_threshold
-        faiss.cvar.distance_compute_blas_threshold = 20
+        settings = _faiss().cvar
+        self.old = settings.distance_compute_blas_threshold
+        settings.distance_compute_blas_threshold = 20
         return self
 
     def __exit__(self, *exc):
-        import faiss
-
-        faiss.cvar.distance_compute_blas_threshold = self.old
+        _faiss().cvar.distance_compute_blas_threshold = self.old
         return False
 
 

@@ -28,6 +28,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from raggym.atomic import atomic_write
+from raggym.models import cache_dir
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -61,6 +62,7 @@ def check_precision(precision: str) -> str:
 def _precision_context(embedder, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext()
+    # torch is imported on use: it takes seconds, and `import raggym, envs` does not need it.
     import torch
 
     device = getattr(embedder, "device", "cpu") or "cpu"
@@ -105,6 +107,7 @@ def encode_texts(
 
 
 def _token_budget_encode(embedder, tokenizer, texts, token_budget, max_batch, show_progress, desc):
+    # tqdm is imported on use: it would add about a tenth to the time of `import raggym, envs`.
     from tqdm.auto import tqdm
 
     max_length = getattr(embedder, "max_length", None) or None
@@ -130,8 +133,6 @@ class EmbeddingCache:
 
     def __init__(self, root: str | Path | None = None, enabled: bool = True):
         if root is None:
-            from raggym.models import cache_dir
-
             root = cache_dir() / "embeddings"
         self.root = Path(root)
         self.enabled = enabled

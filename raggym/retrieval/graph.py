@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .encoding import EmbeddingCache
 from .openie_io import PassageTriples
 from .ppr import CSRGraph
 from .storage import IndexFormatError, load_npy, read_table, write_table
@@ -118,6 +119,7 @@ class KnowledgeGraph:
         ``embedder=None`` builds the structure only: no synonymy edges and no fact embeddings
         (enough for PPR benchmarks; graph retrieval needs the embeddings).
         """
+        # tqdm is imported on use: it would add about a tenth to the time of `import raggym, envs`.
         from tqdm.auto import tqdm
 
         config = (config or GraphConfig()).validate()
@@ -181,8 +183,6 @@ class KnowledgeGraph:
         syn_w = np.zeros(0)
         fact_embeddings = None
         if embedder is not None:
-            from .encoding import EmbeddingCache
-
             cache = cache if cache is not None else EmbeddingCache()
             if config.synonyms and n_phr > 1:
                 phrase_vecs = cache.encode(embedder, phrases, kind="phrase", precision=precision, show_progress=show_progress)
@@ -332,6 +332,7 @@ class KnowledgeGraph:
 
 def synonym_pairs(phrases: list[str], vectors: np.ndarray, threshold: float, max_neighbors: int):
     """Unordered phrase pairs with cosine >= threshold, via an exact FAISS inner-product search."""
+    # faiss is imported on use: `import raggym, envs` does not need it.
     import faiss
 
     eligible = np.array([_alnum_count(p) > 2 for p in phrases])

@@ -170,6 +170,7 @@ class TorchPPR:
         device: str | None = None,
         threads: int | None = None,
     ):
+        # torch is imported on use: it takes seconds, and `import raggym, envs` does not need it.
         import torch
 
         if not 0.0 < damping < 1.0:
@@ -348,7 +349,7 @@ class IgraphPPR:
     """Reference implementation: igraph's prpack solver, one reset vector at a time."""
 
     def __init__(self, graph: CSRGraph, damping: float = 0.5, *, directed: bool | None = None):
-        import igraph
+        import igraph  # optional (the dev extra): only this reference solver uses it
 
         graph.validate()
         self.n, self.damping = graph.n, float(damping)

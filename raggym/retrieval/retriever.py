@@ -52,6 +52,8 @@ from typing import Sequence
 import numpy as np
 
 from raggym.atomic import atomic_directory
+from raggym.data import Corpus, Passage, load_corpus
+from raggym.models import load_embedder
 
 from .base import Hit, QueryResult, check_mode
 from .dense import DenseConfig, DenseIndex
@@ -117,8 +119,6 @@ def corpus_fingerprint(passages) -> str:
 
 
 def _as_corpus(corpus):
-    from raggym.data import Corpus, load_corpus
-
     if isinstance(corpus, Corpus):
         return corpus
     if isinstance(corpus, (str, os.PathLike)):
@@ -174,8 +174,6 @@ class Retriever:
             raise ValueError("cannot index an empty corpus")
         spec = None
         if isinstance(embedder, str):
-            from raggym.models import load_embedder
-
             spec = embedder
             embedder = load_embedder(embedder)
         if cache is True:
@@ -230,8 +228,6 @@ class Retriever:
         ``embedder``: the embedder object to use for queries; by default the spec recorded at
         build time is loaded on first use. ``verify`` checks file checksums as well as sizes.
         """
-        from raggym.data import Corpus, Passage
-
         root = Path(directory)
         manifest = read_manifest(root)
         verify_files(root, manifest, checksums=verify)
@@ -277,8 +273,6 @@ class Retriever:
     @property
     def embedder(self):
         if self._embedder is None:
-            from raggym.models import load_embedder
-
             self._embedder = load_embedder(self.embedder_spec)
             if int(self._embedder.dim) != self.passage_vectors.shape[1]:
                 raise ValueError(f"embedder {self.embedder_spec!r} makes {self._embedder.dim}-dim vectors; the index has {self.passage_vectors.shape[1]}")

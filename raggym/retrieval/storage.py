@@ -110,6 +110,7 @@ def load_npy(root: Path, rel: str, *, dtype=None, ndim: int | None = None) -> np
 
 
 def write_table(path: Path, columns: dict[str, list | np.ndarray]) -> None:
+    # pyarrow is imported on first use: it would add about a fifth to the time of `import raggym, envs`.
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -117,6 +118,7 @@ def write_table(path: Path, columns: dict[str, list | np.ndarray]) -> None:
 
 
 def read_table(root: Path, rel: str, required: tuple[str, ...]) -> dict[str, list]:
+    # pyarrow is imported on first use: it would add about a fifth to the time of `import raggym, envs`.
     import pyarrow.parquet as pq
 
     try:

@@ -59,6 +59,8 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
+from raggym.rewards import text_metrics
+
 
 def _tuple_of_str(values: Any) -> tuple[str, ...]:
     """A tuple of strings; a missing (``None``) element becomes ``""``."""
@@ -146,23 +148,19 @@ class EpisodeOutcome:
     @cached_property
     def em(self) -> float:
         """Exact match of the answer against the gold answers (SQuAD normalisation)."""
-        from raggym.rewards.metrics import exact_match
-
-        return exact_match(self.answer, self.gold_answers)
+        return text_metrics.exact_match(self.answer, self.gold_answers)
 
     @cached_property
     def f1(self) -> float:
         """Token F1 of the answer, the best over the gold aliases."""
-        from raggym.rewards.metrics import token_f1
-
-        return token_f1(self.answer, self.gold_answers)
+        return text_metrics.token_f1(self.answer, self.gold_answers)
 
     @cached_property
     def evidence_overlap(self) -> float:
         """EO: mean over gold passages of token-F1(all retrieved text, gold passage); 0 without gold."""
-        from raggym.rewards.metrics import evidence_overlap
-
-        return evidence_overlap(self.all_retrieved_texts(), self.gold_passages) if self.gold_passages else 0.0
+        if not self.gold_passages:
+            return 0.0
+        return text_metrics.evidence_overlap(self.all_retrieved_texts(), self.gold_passages)
 
     def all_retrieved_texts(self) -> list[str]:
         """Every retrieved passage text in the order it was returned."""

@@ -37,6 +37,7 @@ from raggym.rewards.lws import Embedder, Judge, LWSConfig, lws_batch_rewards
 from raggym.rewards.metrics import exact_match
 from raggym.rewards.outcome import EpisodeOutcome
 from raggym.rewards.pathrouter import PathRouterConfig, pathrouter_batch_rewards
+from raggym.rewards.r1_router import r1_router_step_rewards
 from raggym.rewards.routerag import RouteRAGConfig, routerag_batch_rewards
 
 BatchReward = Callable[[Sequence[EpisodeOutcome]], list[float]]
@@ -172,8 +173,6 @@ def exact_match_schedule() -> RewardSchedule:
 
 def r1_router_schedule(embed: Embedder) -> RewardSchedule:
     """R1-Router: one stage; each rollout is one teacher-forced step scored by its step reward."""
-    from raggym.rewards.r1_router import r1_router_step_rewards
-
     return RewardSchedule("r1_router", StageSchedule(("main",), (0,)),
                           {"main": lambda outcomes: r1_router_step_rewards(outcomes, embed)})
 

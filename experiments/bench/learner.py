@@ -10,8 +10,8 @@ Weight sync (``--sync``) starts Ray, one HF ``RolloutWorker`` and times: packing
 weights into ``FlatWeights``; ``ray.put`` + the worker fetching and loading them (object store);
 and a gloo ``WeightSyncGroup`` broadcast into the same worker (collective path).
 
-    python -m experiments.bench_learner --json
-    python -m experiments.bench_learner --seq-len 128 --micro-batch 2 --micro-batches 2 --steps 2 --sync --json
+    python -m experiments.bench.learner --json
+    python -m experiments.bench.learner --seq-len 128 --micro-batch 2 --micro-batches 2 --steps 2 --sync --json
 
 GRPO step (``--grpo-step``): the demo's RL step shape (``experiments/configs/demo_grpo.yaml``:
 4 prompts × G = 4 samples, a 290-token prompt shared within each group, continuations of
@@ -23,7 +23,7 @@ backward) and AdamW; the ``Learner`` doing the same passes (``old_logprobs="reco
 forward, shared prompts). ``learner_over_plain`` = plain seconds ÷ same-pass learner seconds and
 ``shared_prompt_speedup`` = learner seconds without ÷ with prompt sharing (higher is better)::
 
-    python -m experiments.bench_learner --grpo-step --json
+    python -m experiments.bench.learner --grpo-step --json
 
 Logits memory (``--memory``): peak host memory of one forward + backward of a policy-gradient
 loss with Qwen2.5-3B's vocabulary (151,936) and width (2,048) on a randomly initialised Qwen2
@@ -39,23 +39,36 @@ variant runs in a fresh subprocess; its peak is the kernel's resident-set high-w
 right before it, so it counts every allocation torch makes (activations, logits, gradients,
 parameter gradients), and nothing from building the model::
 
-    python -m experiments.bench_learner --memory --json
+    python -m experiments.bench.learner --memory --json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 
+import ray
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from actors.cluster import init_ray
+from actors.engines import RolloutWorker
+from actors.learner import Learner, LearnerConfig, make_train_batch, token_logprobs
+from actors.weight_sync import pick_free_port
+from raggym.algorithms.logprobs import DEFAULT_CHUNK_SIZE, final_hidden_states, head_token_stats, output_head
+from raggym.algorithms.losses import clipped_policy_loss, entropy_from_logits, kl_loss
+from raggym.algorithms.shared_prompt import entry_logprobs
+from raggym.models import load_policy
 
 
 def synthetic_batch(n: int, seq_len: int, prompt_len: int, seed: int):
-    from actors.learner import make_train_batch
-
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(100, 20000, (seq_len,), generator=g).tolist() for _ in range(n)]
     masks = [[0] * prompt_len + [1] * (seq_len - prompt_len) for _ in range(n)]
@@ -64,8 +77,6 @@ def synthetic_batch(n: int, seq_len: int, prompt_len: int, seed: int):
 
 
 def bench_deepspeed(args, batch) -> dict:
-    from actors.learner import Learner, LearnerConfig
-
     cfg = LearnerConfig.from_dict({
         "model": args.model,
         "zero_stage": args.zero_stage,
@@ -97,10 +108,6 @@ def bench_deepspeed(args, batch) -> dict:
 
 
 def bench_plain_torch(args, batch) -> dict:
-    from raggym.algorithms.losses import clipped_policy_loss
-    from raggym.models import load_policy
-    from actors.learner import token_logprobs
-
     model, _ = load_policy(args.model, dtype=torch.float32)
     model.train()
     if args.gradient_checkpointing:
@@ -138,12 +145,6 @@ def bench_plain_torch(args, batch) -> dict:
 
 
 def bench_sync(args, learner) -> dict:
-    import ray
-
-    from actors.cluster import init_ray
-    from actors.engines import RolloutWorker
-    from actors.weight_sync import pick_free_port
-
     t = time.perf_counter()
     flat = learner.get_weights()
     pack = time.perf_counter() - t
@@ -186,8 +187,6 @@ def bench_sync(args, learner) -> dict:
 
 def grpo_step_batch(groups: int, group_size: int, prompt_len: int, min_tail: int, max_tail: int, seed: int):
     """Demo-shaped batch: ``groups`` random prompts, each followed by ``group_size`` continuations."""
-    from actors.learner import make_train_batch
-
     g = torch.Generator().manual_seed(seed)
     ids, masks = [], []
     for _ in range(groups):
@@ -223,9 +222,6 @@ def bench_grpo_learner(learner, batch, **settings) -> dict:
 
 def bench_grpo_plain(args, batch, model, reference) -> dict:
     """The same step as a plain torch loop: old-logprob pass, reference pass, forward + backward, AdamW."""
-    from actors.learner import token_logprobs
-    from raggym.algorithms.losses import clipped_policy_loss, kl_loss
-
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     micro, n = args.micro_batch, batch["token_ids"].shape[0]
     mask_all = batch["loss_mask"].clone()
@@ -267,10 +263,6 @@ def bench_grpo_plain(args, batch, model, reference) -> dict:
 
 
 def run_grpo_step(args) -> dict:
-    import copy
-
-    from actors.learner import Learner, LearnerConfig
-
     batch = grpo_step_batch(args.groups, args.group_size, args.prompt_len, args.min_tail, args.max_tail, seed=0)
     learner = Learner(LearnerConfig.from_dict(_grpo_learner_config(args)))
     # The plain loop trains a copy of the same weights next to the learner's frozen reference.
@@ -325,14 +317,6 @@ def _reset_peak_rss() -> None:
 def memory_variant(variant: str, seq_len: int, layers: int, chunk: int, temperature: float, freeze_embeddings: bool = False,
                    seed: int = 0) -> dict:
     """One forward + backward of ``variant`` ("naive" | "chunked") in this process; peak bytes and results."""
-    import gc
-
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from raggym.algorithms.logprobs import final_hidden_states, head_token_stats, output_head
-    from raggym.algorithms.losses import entropy_from_logits
-    from raggym.algorithms.shared_prompt import entry_logprobs
-
     torch.manual_seed(seed)
     config = Qwen2Config(**QWEN25_3B_SHAPE, num_hidden_layers=layers, max_position_embeddings=max(32_768, seq_len))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -378,9 +362,6 @@ def memory_variant(variant: str, seq_len: int, layers: int, chunk: int, temperat
 
 def run_memory(args) -> dict:
     """Both variants, each in a fresh subprocess (see the module docstring), and their comparison."""
-    import subprocess
-    import sys
-
     logits_fp32 = (args.seq_len - 1) * QWEN25_3B_SHAPE["vocab_size"] * 4
     available = _proc_bytes("MemAvailable", "/proc/meminfo")
     # the naive pass holds about six float32 copies of the logits at its peak, plus [V, H] gradients
@@ -390,7 +371,7 @@ def run_memory(args) -> dict:
                          f"are available: lower --seq-len, free memory, or pass --force")
     results = {}
     for variant in ("naive", "chunked"):
-        cmd = [sys.executable, "-m", "experiments.bench_learner", "--memory-variant", variant, "--seq-len", str(args.seq_len),
+        cmd = [sys.executable, "-m", "experiments.bench.learner", "--memory-variant", variant, "--seq-len", str(args.seq_len),
                "--layers", str(args.layers), "--chunk", str(args.chunk), "--temperature", str(args.temperature)]
         if args.train_embeddings:
             cmd.append("--train-embeddings")
@@ -459,8 +440,6 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory or args.memory_variant:
-        from raggym.algorithms.logprobs import DEFAULT_CHUNK_SIZE
-
         args.chunk = args.chunk or DEFAULT_CHUNK_SIZE
         if args.seq_len == p.get_default("seq_len"):
             args.seq_len = 4096

@@ -4,7 +4,7 @@ engine, Ray retrieval vs in-process.
     raggym bench runtime --json [--engines hf,vllm] [--vllm-dtypes float32,bfloat16] [--repeats 3]
                          [--threads 1] [--vllm-block-size N] [--skip-retrieval]
 
-(``python -m experiments.bench_runtime`` takes the same arguments.) Every engine runs the same
+(``python -m experiments.bench.runtime`` takes the same arguments.) Every engine runs the same
 demo-sized RL step (``experiments/configs/demo_grpo.yaml``: 4 questions x G = 4, RouteRAG dialect,
 top-2, retrieval budget 2, 160 response tokens, 64 per turn, 64 per observation) on the in-process
 retriever, with the same questions and seeds, and plain generate of the same prompts. The engines
@@ -319,7 +319,7 @@ def _plain_generate(engine, spec: dict, seed: int) -> dict:
 async def _vllm_plain_generate(engine: AsyncVLLMEngine, spec: dict, seed: int) -> dict:
     """vLLM plain generate of ``spec``: every prompt submitted at once, ``ignore_eos``, prompt i seeded
     with ``derive_seed(seed, i)`` as ``HFEngine.generate`` does."""
-    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm import SamplingParams as VLLMSamplingParams  # vLLM on use: optional (the gpu/cpu extra)
     from vllm.inputs import TokensPrompt
 
     n = spec["tokens_per_prompt"]
@@ -385,7 +385,7 @@ def _since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 async def _bench_vllm_async(world, retriever, *, model: str, dtype: str, questions: int, group_size: int,
                             repeats: int, seed: int, plain_specs: list[dict], engine_kwargs: dict) -> dict:
-    from vllm.v1.metrics.reader import get_metrics_snapshot
+    from vllm.v1.metrics.reader import get_metrics_snapshot  # vLLM on use: optional (the gpu/cpu extra)
 
     t = time.perf_counter()
     engine = AsyncVLLMEngine(model, dtype=dtype, **engine_kwargs)

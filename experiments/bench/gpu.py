@@ -1,8 +1,8 @@
 """GPU benchmarks of the CUDA paths (JSON): engine, rollout, learner, log-probs, ZeRO-2, PPR, smoke.
 
-    python -m experiments.bench_gpu --out gpu.json                     # every section, on CUDA
-    python -m experiments.bench_gpu --sections logprobs ppr --out x.json
-    python -m experiments.bench_gpu --device cpu --tiny --in-process   # tiny shapes: checks the script
+    python -m experiments.bench.gpu --out gpu.json                     # every section, on CUDA
+    python -m experiments.bench.gpu --sections logprobs ppr --out x.json
+    python -m experiments.bench.gpu --device cpu --tiny --in-process   # tiny shapes: checks the script
 
 Every section runs in its own Python process (unless ``--in-process``) with its own time limit,
 so an out-of-memory error, a CUDA fault or a hang in one section cannot lose the others; the JSON
@@ -19,7 +19,7 @@ Sections:
   Qwen2.5-1.5B shape has random weights. ``--disable-cudnn-sdpa`` keeps attention off cuDNN.
 - ``engine_profile``: one decode step of the engine split into the model forward and the sampling.
 - ``rollout``: multi-turn rollout tokens/s ÷ plain ``generate`` tokens/s at equal tokens, the
-  method of ``experiments/bench_runtime.py`` without Ray. Retrieval answers come from a table of
+  method of ``experiments/bench/runtime.py`` without Ray. Retrieval answers come from a table of
   the real ``Retriever``'s results for each episode's question, built on a CPU machine
   (``--build-retrieval-table``), because the GPU machine cannot hold the embedder and FAISS; its
   time is excluded from the figure anyway.
@@ -57,7 +57,31 @@ import sys
 import tempfile
 import time
 import traceback
+import types
+from importlib import metadata
 from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
+
+from actors.engines.base import SamplingParams
+from actors.engines.hf import HFEngine, process_logits
+from actors.learner import Learner, LearnerConfig, make_train_batch, token_logprobs
+from envs import RagSearchEnv
+from envs.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
+from experiments.smoke import max_logprob_gap, smoke_batch
+from raggym.algorithms.logprobs import chunked_token_logprobs, full_token_logprobs
+from raggym.algorithms.losses import clipped_policy_loss
+from raggym.data.synthetic import entities_for_passages, generate_world
+from raggym.data.types import Question
+from raggym.models import load_policy_tokenizer
+from raggym.retrieval import MODES, Retriever
+from raggym.retrieval.base import Hit, QueryResult
+from raggym.retrieval.graph import KnowledgeGraph
+from raggym.retrieval.openie_io import align_openie
+from raggym.retrieval.ppr import CSRGraph, TorchPPR, top_k_rows
+from raggym.trajectory import chat_prompt_ids
 
 SECTIONS = ("engine_smollm2", "engine_qwen1.5b", "engine_profile", "rollout", "learner", "torch_adamw", "logprobs", "ppr", "smoke", "deepspeed_ops")
 # Per-section wall-clock limits (seconds) when run as subprocesses; each is also capped by --deadline.
@@ -76,30 +100,22 @@ TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
 
 
 def log(msg: str) -> None:
-    print(f"[bench_gpu] {msg}", file=sys.stderr, flush=True)
+    print(f"[bench.gpu] {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _torch():
-    import torch
-
-    return torch
-
-
 def compute_dtype(args):
-    torch = _torch()
     return torch.bfloat16 if args.device == "cuda" else torch.float32
 
 
 def synchronize(args) -> None:
     if args.device == "cuda":
-        _torch().cuda.synchronize()
+        torch.cuda.synchronize()
 
 
 def reset_peak(args) -> None:
-    torch = _torch()
     if args.device == "cuda":
         gc.collect()
         torch.cuda.synchronize()
@@ -108,7 +124,6 @@ def reset_peak(args) -> None:
 
 def memory(args) -> dict:
     """Peak allocated / reserved since the last reset, and allocated now, in GiB (CUDA only)."""
-    torch = _torch()
     if args.device != "cuda":
         return {}
     gib = 1024**3
@@ -120,11 +135,10 @@ def memory(args) -> dict:
 def free_memory(args) -> None:
     gc.collect()
     if args.device == "cuda":
-        _torch().cuda.empty_cache()
+        torch.cuda.empty_cache()
 
 
 def is_oom(exc: BaseException) -> bool:
-    torch = _torch()
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
@@ -139,9 +153,6 @@ def model_shape(args, full: dict) -> dict:
 
 def random_causal_lm(shape: dict, dtype, device: str, seed: int = 0):
     """A Qwen2 causal LM of ``shape`` with random weights, built directly on ``device``."""
-    torch = _torch()
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     torch.manual_seed(seed)
     config = Qwen2Config(**shape)
     with torch.device(device):
@@ -158,14 +169,11 @@ def parameter_count(model) -> int:
 
 
 def load_tokenizer(args):
-    from raggym.models import load_policy_tokenizer
-
     return load_policy_tokenizer(args.tokenizer)
 
 
 def random_checkpoint(args, name: str, shape: dict) -> Path:
     """A saved random-weight model (bf16 safetensors + the tokenizer) for specs that need a directory."""
-    torch = _torch()
     target = Path(args.work_dir) / name
     if (target / "config.json").exists():
         return target
@@ -181,9 +189,6 @@ def random_checkpoint(args, name: str, shape: dict) -> Path:
 
 def synthetic_train_batch(n: int, seq_len: int, vocab: int, seed: int):
     """``n`` sequences of random ids; the last three quarters are the trained response."""
-    torch = _torch()
-    from actors.learner import make_train_batch
-
     g = torch.Generator().manual_seed(seed)
     prompt = seq_len // 4
     ids = torch.randint(100, vocab, (n, seq_len), generator=g).tolist()
@@ -213,9 +218,6 @@ def parse_shapes(specs: list[str]) -> list[tuple[int, list[int]]]:
 
 def bench_engine(args, engine, label: str) -> dict:
     """tokens/s of ``engine.generate`` at each batch size, fixed-length outputs."""
-    torch = _torch()
-    from actors.engines.base import SamplingParams
-
     engine.eos_token_ids = set()  # no early stops: every prompt yields exactly new_tokens
     vocab = min(len(engine.tokenizer), engine.model.config.vocab_size)
     prompt_len, new_tokens = (16, 8) if args.tiny else (args.prompt_tokens, args.new_tokens)
@@ -252,19 +254,15 @@ def apply_sdpa_choice(args) -> None:
     # cuDNN's attention backend plans each new shape; a decode loop meets a new cache length every
     # step, so the first pass over the lengths runs about 3x slower (measured in docs/benchmarks.md).
     if args.device == "cuda" and args.disable_cudnn_sdpa:
-        _torch().backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def section_engine_smollm2(args) -> dict:
-    from actors.engines.hf import HFEngine
-
     engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
     return bench_engine(args, engine, "SmolLM2-135M-Instruct (real weights)")
 
 
 def section_engine_qwen(args) -> dict:
-    from actors.engines.hf import HFEngine
-
     model = random_causal_lm(model_shape(args, QWEN25_1_5B), compute_dtype(args), args.device)
     engine = HFEngine(model, load_tokenizer(args), device=args.device)
     return bench_engine(args, engine, "Qwen2.5-1.5B shape (random weights)" if not args.tiny else "tiny Qwen2 shape")
@@ -282,23 +280,16 @@ class QuestionTableRetriever:
     """
 
     def __init__(self, per_mode: dict):
-        from raggym.retrieval.base import Hit
-
         self.per_mode = {mode: ([Hit(**h) for h in stored["hits"]], [tuple(f) for f in stored["facts"]])
                          for mode, stored in per_mode.items()}
 
     def retrieve(self, queries, mode, k):
-        from raggym.retrieval.base import QueryResult
-
         hits, facts = self.per_mode[mode]
         return [QueryResult(q, hits[:k], 0.0, 0.0, mode, facts) for q in queries]
 
 
 def build_retrieval_table(path: str, episodes: int, top_k: int) -> None:
-    """CPU side: the real Retriever's results for the first questions of the bench_runtime world."""
-    from raggym.data.synthetic import generate_world
-    from raggym.retrieval import MODES, Retriever
-
+    """CPU side: the real Retriever's results for the first questions of the ``experiments.bench.runtime`` world."""
     world = generate_world(seed=0, n_entities=1000, n_questions=max(80, episodes))
     retriever = Retriever.build(world.corpus, openie=world.openie, shards=2, show_progress=False)
     questions = world.questions[:episodes]
@@ -317,18 +308,14 @@ def build_retrieval_table(path: str, episodes: int, top_k: int) -> None:
 def section_rollout(args) -> dict:
     if not args.retrieval_table:
         raise RuntimeError("the rollout section needs --retrieval-table (make one with --build-retrieval-table)")
-    from actors.engines.base import SamplingParams
-    from actors.engines.hf import HFEngine
-    from envs import RagSearchEnv
-    from raggym.data.types import Question
-
-    from envs.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
-    from raggym.trajectory import chat_prompt_ids
+    # On use, and broken: CountingBackend left experiments.bench.runtime with #40 (e96f15c, the waves
+    # loop went), so this import fails until the section is rebuilt; a top-level import would take
+    # every other section down with it.
+    from experiments.bench.runtime import CountingBackend
 
     table = json.loads(Path(args.retrieval_table).read_text())
     all_questions = [Question.from_dict(d) for d in table["questions"]]
     apply_sdpa_choice(args)
-    from experiments.bench_runtime import CountingBackend
 
     engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
     eos = set(engine.eos_token_ids)
@@ -378,8 +365,6 @@ def section_rollout(args) -> dict:
 
 def section_learner(args, seq_len: int, micros: list[int]) -> dict:
     """DeepSpeed ZeRO-2 Learner steps, micro-batch growing until out of memory."""
-    from actors.learner import Learner, LearnerConfig
-
     shape = model_shape(args, QWEN25_3B)
     directory = random_checkpoint(args, "qwen2.5-3b-shape-random" if not args.tiny else "tiny-qwen2-random", shape)
     ga = args.grad_accum
@@ -434,10 +419,6 @@ def section_learner(args, seq_len: int, micros: list[int]) -> dict:
 
 def section_torch_adamw(args, seq_len: int, micros: list[int]) -> dict:
     """The same updates in a plain torch loop: fp32 weights, bf16 autocast, AdamW, checkpointing."""
-    torch = _torch()
-    from actors.learner import token_logprobs
-    from raggym.algorithms.losses import clipped_policy_loss
-
     shape = model_shape(args, QWEN25_3B)
     ga = args.grad_accum
     model = random_causal_lm(shape, torch.float32, args.device)
@@ -501,9 +482,6 @@ def section_torch_adamw(args, seq_len: int, micros: list[int]) -> dict:
 
 
 def section_logprobs(args) -> dict:
-    torch = _torch()
-    from raggym.algorithms.logprobs import chunked_token_logprobs, full_token_logprobs
-
     shape = model_shape(args, QWEN25_3B)
     vocab, width = shape["vocab_size"], shape["hidden_size"]
     dtype, dev = compute_dtype(args), torch.device(args.device)
@@ -528,7 +506,7 @@ def section_logprobs(args) -> dict:
 
                 step()  # warm-up
                 reset_peak(args)
-                base = _torch().cuda.memory_allocated() if args.device == "cuda" else 0
+                base = torch.cuda.memory_allocated() if args.device == "cuda" else 0
                 times = []
                 for _ in range(3):
                     t = time.perf_counter()
@@ -563,13 +541,7 @@ def section_logprobs(args) -> dict:
 
 
 def save_ppr_graph(path: str, passages: int) -> dict:
-    """Build the synthetic-world graph of ``experiments.bench_retrieval`` and store its CSR (npz)."""
-    import numpy as np
-
-    from raggym.data.synthetic import entities_for_passages, generate_world
-    from raggym.retrieval.graph import KnowledgeGraph
-    from raggym.retrieval.openie_io import align_openie
-
+    """Build the synthetic-world graph of ``experiments.bench.retrieval`` and store its CSR (npz)."""
     t = time.perf_counter()
     world = generate_world(seed=0, n_entities=entities_for_passages(passages), n_questions=10)
     kg = KnowledgeGraph.build(align_openie(world.openie, world.corpus).per_passage)
@@ -583,10 +555,6 @@ def save_ppr_graph(path: str, passages: int) -> dict:
 
 
 def load_ppr_graph(args):
-    import numpy as np
-
-    from raggym.retrieval.ppr import CSRGraph
-
     if args.ppr_graph:
         data = np.load(args.ppr_graph)
         meta = json.loads(str(data["meta"]))
@@ -600,14 +568,10 @@ def load_ppr_graph(args):
 
 
 def section_ppr(args) -> dict:
-    import types
+    # On use: importing experiments.bench.retrieval sets OMP_NUM_THREADS=1 (its own note), which the
+    # other sections, and the section processes this one starts, must not inherit.
+    from experiments.bench.retrieval import hipporag_like_resets
 
-    import numpy as np
-
-    from experiments.bench_retrieval import hipporag_like_resets
-    from raggym.retrieval.ppr import TorchPPR, top_k_rows
-
-    torch = _torch()
     t = time.perf_counter()
     csr, meta = load_ppr_graph(args)
     out = {"graph": meta, "load_seconds": round(time.perf_counter() - t, 1), "damping": 0.5, "tol": 1e-5}
@@ -664,7 +628,6 @@ def section_ppr(args) -> dict:
 
 def ppr_cuda_breakdown(eng, reset) -> dict:
     """Where one CUDA PPR run spends its time: host preparation, the SpMM, the teleport add, the copy back."""
-    torch = _torch()
 
     def sync():
         if eng.device.type == "cuda":
@@ -700,12 +663,6 @@ def ppr_cuda_breakdown(eng, reset) -> dict:
 
 def section_engine_profile(args) -> dict:
     """Per decode step of HFEngine on the Qwen2.5-1.5B shape: the model forward vs the sampling around it."""
-    torch = _torch()
-    from transformers import DynamicCache
-
-    from actors.engines.base import SamplingParams
-    from actors.engines.hf import HFEngine, process_logits
-
     model = random_causal_lm(model_shape(args, QWEN25_1_5B), compute_dtype(args), args.device)
     engine = HFEngine(model, load_tokenizer(args), device=args.device)
     engine.eos_token_ids = set()
@@ -773,11 +730,6 @@ def section_engine_profile(args) -> dict:
 
 def section_smoke(args) -> dict:
     """gpu_smoke.sh without vLLM and Ray: HF engine + bf16 ZeRO-3 Learner in one process."""
-    from actors.engines.base import SamplingParams
-    from actors.engines.hf import HFEngine
-    from actors.learner import Learner
-    from experiments.smoke import max_logprob_gap, smoke_batch
-
     engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
     learner = Learner({"model": args.smollm, "zero_stage": 3, "device": args.device,
                        "dtype": "bfloat16" if args.device == "cuda" else "float32",
@@ -818,9 +770,9 @@ def section_smoke(args) -> dict:
 
 def section_deepspeed_ops(args) -> dict:
     """Build DeepSpeed's FusedAdam with the machine's nvcc and check one step against torch AdamW."""
-    torch = _torch()
     if args.device != "cuda":
         return {"skipped": "FusedAdam is a CUDA op"}
+    # DeepSpeed's ops on use: only this section needs them, and importing them may build CUDA code.
     from deepspeed.ops.adam import FusedAdam
     from deepspeed.ops.op_builder import FusedAdamBuilder
 
@@ -853,8 +805,6 @@ def section_deepspeed_ops(args) -> dict:
 
 
 def device_info(args) -> dict:
-    import importlib.metadata as md
-
     info: dict = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
     try:
         info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -863,11 +813,10 @@ def device_info(args) -> dict:
         info["cpu_model"] = None
     for pkg in ("torch", "transformers", "deepspeed", "numpy"):
         try:
-            info[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
+            info[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
             info[pkg] = None
     if args.device == "cuda":
-        torch = _torch()
         info["cuda_device"] = torch.cuda.get_device_name(0)
         info["torch_cuda"] = torch.version.cuda
         info["env"] = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_CUDA_ARCH_LIST")}
@@ -920,7 +869,7 @@ def planned_runs(args) -> list[tuple[str, str, tuple[int, list[int]] | None]]:
 
 
 def _worker_argv(args, key: str, result_path: str) -> list[str]:
-    argv = [sys.executable, "-m", "experiments.bench_gpu", "--worker", key, "--worker-result", result_path]
+    argv = [sys.executable, "-m", "experiments.bench.gpu", "--worker", key, "--worker-result", result_path]
     for action in build_parser()._actions:
         if action.dest in ("help", "worker", "worker_result", "out", "in_process", "sections", "deadline"):
             continue
@@ -939,7 +888,7 @@ def _worker_argv(args, key: str, result_path: str) -> list[str]:
 
 def orchestrate(args) -> dict:
     started = time.perf_counter()
-    report: dict = {"bench": "gpu", "command": " ".join(["python -m experiments.bench_gpu", *sys.argv[1:]]),
+    report: dict = {"bench": "gpu", "command": " ".join(["python -m experiments.bench.gpu", *sys.argv[1:]]),
                     "tiny": args.tiny, "device_requested": args.device, "sections": {}}
     try:
         report["device"] = device_info(args)
@@ -1069,8 +1018,8 @@ def main(argv=None) -> int:
         return 0
     if args.worker:
         return worker(args)
-    if args.device == "cuda" and not _torch().cuda.is_available():
-        print("bench_gpu: no CUDA device is visible; use --device cpu --tiny to check the script", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench.gpu: no CUDA device is visible; use --device cpu --tiny to check the script", file=sys.stderr)
         return 2
     report = orchestrate(args)
     print(json.dumps(report, indent=1, default=str))

@@ -1,6 +1,6 @@
 """The learning proof: does RouteRAG's RL, not SFT, teach the agent *when* to search the graph?
 
-``python -m experiments.routing`` runs, for each seed, on this CPU:
+``python -m experiments.studies.routing`` runs, for each seed, on this CPU:
 
 1. the **routing task** (``raggym.data.synthetic``, ``task="routing"``): one-hop lookups of two
    types. ``direct`` questions ask a relation of a film, company, university or city, stated in a
@@ -38,16 +38,32 @@ The same functions run one seed inside ``make demo`` (``experiments.demo``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.sft import LR_SCHEDULES, balanced_order, grouped_order
+from actors.cluster import init_ray
+from experiments.config import load_config
+from experiments.evaluate import evaluate, resolve_policy
+from experiments.report import read_jsonl
+from experiments.sft import LR_SCHEDULES, balanced_order, golden_examples, grouped_order, run_sft
+from raggym.atomic import atomic_write_json, atomic_write_text
+from raggym.data import write_corpus, write_questions
+from raggym.data.splits import split_questions
+from raggym.data.synthetic import generate_world
+from raggym.models import load_policy, load_policy_tokenizer
+from raggym.retrieval import Retriever, ensure_index
 
-REPO = Path(__file__).resolve().parents[1]
+# torch (and experiments.train, which imports it) and matplotlib are imported in the functions that
+# use them: `raggym` imports this module when it starts (the demo's arguments), and they would add
+# about 1.5 s and 0.3 s to every command, --help too.
+
+REPO = Path(__file__).resolve().parents[2]
 RL_CONFIG = REPO / "experiments" / "configs" / "routing_grpo.yaml"
 GRAPH_MODES = ("graph", "hybrid")  # searches that use graph retrieval
 STAGES = ("after SFT", "after stage 1", "after stage 2")
@@ -81,8 +97,6 @@ class RoutingTask:
             copies = repeated_questions(self.heldout, samples)
             self.kinds.update({q.id: self.kinds[q.id.rsplit("~", 1)[0]] for q in copies})
             if not questions.exists():
-                from raggym.data import write_questions
-
                 write_questions(questions, copies)
         return [{"name": "routing-heldout", "source": "files", "corpus": str(self.world_dir / "corpus.jsonl"),
                  "questions": str(questions), "openie": str(self.world_dir / "openie.json"),
@@ -91,19 +105,11 @@ class RoutingTask:
 
 def repeated_questions(questions, samples: int) -> list:
     """Each question ``samples`` times, the copies named ``<id>~0`` ... ``<id>~<samples-1>``."""
-    import dataclasses
-
     return [dataclasses.replace(q, id=f"{q.id}~{j}") for q in questions for j in range(samples)]
 
 
 def build_task(out: Path, *, seed: int, entities: int, questions: int, heldout: int, show_progress: bool = True) -> RoutingTask:
     """Generate the routing world (``seed``), split it, write its files and build its index."""
-    from raggym.atomic import atomic_write_json
-    from raggym.data import write_corpus, write_questions
-    from raggym.data.splits import split_questions
-    from raggym.data.synthetic import generate_world
-    from raggym.retrieval import ensure_index
-
     world = generate_world(seed, n_entities=entities, n_questions=questions, task="routing")
     train_q, heldout_q = split_questions(world.questions, heldout / len(world.questions), seed)
     heldout_q = heldout_q[:heldout]
@@ -174,17 +180,25 @@ def mode_logit(model, example: dict, slot: list[int], continuations: list[list[i
     the slot and the two ``continuations`` (the tokens of ``graph]`` and ``passage]``) are scored.
     The slot is looked up in the model-written tokens only (the prompt's instructions show the
     tag too)."""
-    import torch
+    import torch  # on use (see the imports)
 
     ids, mask = example["token_ids"], example["loss_mask"]
     end = next((i + len(slot) for i in range(len(ids) - len(slot) + 1)
                 if mask[i] == 1 and ids[i:i + len(slot)] == slot), None)
     if end is None:
         raise ValueError(f"golden example {example.get('question_id')!r} has no {MODE_SLOT!r} in its model turns")
+    # The prefix (a few hundred tokens) is computed once; each continuation (a token or two) goes
+    # on from its KV cache, which is cropped back to the prefix after each one.
+    prefix = model(torch.tensor([ids[:end]]), use_cache=True)
+    cache = prefix.past_key_values
     logps = []
     for cont in continuations:
-        logits = model(torch.tensor([ids[:end] + cont])).logits[0, end - 1:-1].float()
-        # log p(cont | prefix) = Σ_j log softmax(logits at end-1+j)[cont_j]
+        logits = prefix.logits[0, -1:].float()  # predicts cont[0]
+        if len(cont) > 1:
+            more = model(torch.tensor([cont[:-1]]), past_key_values=cache, use_cache=True).logits[0].float()
+            logits = torch.cat([logits, more])
+            cache.crop(1 - len(cont))  # drop the continuation's tokens again
+        # log p(cont | prefix) = Σ_j log softmax(logits predicting cont_j)[cont_j]
         logps.append(torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)].sum())
     return logps[0] - logps[1]
 
@@ -200,7 +214,7 @@ def graph_preference(model, tokenizer, examples: list[dict]) -> list[float]:
     (``mode_logit``): the policy's mode choice for that question read from its logits,
     deterministic for given weights, and it moves with every update, where a sampled share needs
     hundreds of episodes to resolve a change of a few points."""
-    import torch
+    import torch  # on use (see the imports)
 
     slot, continuations = mode_slot_tokens(tokenizer)
     model.eval()
@@ -214,8 +228,6 @@ def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_
     """Golden prefixes of the first ``per_type`` questions of each type of ``split`` (``"heldout"``
     or ``"train"``), for ``graph_preference`` (the mode written in a probe's own search comes after
     the slot and is never scored, so the cheap one is used)."""
-    from experiments.sft import golden_examples
-
     pool = {"heldout": task.heldout, "train": task.train}[split]
     probes = {}
     for kind in sorted({task.kinds[q.id] for q in pool}):
@@ -229,9 +241,6 @@ def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_
 def preference_by_type(policy: str, tokenizer, probes: dict[str, list[dict]]) -> dict[str, float]:
     """Mean ``graph_preference`` of ``policy`` (model spec, HF dir, checkpoint or run dir) per
     question type, and over all probes (``"all"``)."""
-    from experiments.evaluate import resolve_policy
-    from raggym.models import load_policy
-
     model = load_policy(resolve_policy(policy))[0]
     values = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
     out = {kind: statistics.fmean(v) for kind, v in values.items()}
@@ -241,8 +250,6 @@ def preference_by_type(policy: str, tokenizer, probes: dict[str, list[dict]]) ->
 
 def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
     """Per training step: mean reward and the graph share of each question type's searches."""
-    from experiments.report import read_jsonl
-
     rows = []
     for path in sorted(Path(trajectory_dir).glob("step-*.jsonl")):
         trajectories = read_jsonl(path)
@@ -261,9 +268,6 @@ def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict
     """Held-out evaluation of ``policy`` (greedy unless ``eval_kwargs`` sets a temperature;
     ``samples`` episodes per question), on ``runtime`` when given (its engines hold ``policy``):
     (per-type metrics, ``evaluate``'s results)."""
-    from experiments.evaluate import evaluate
-    from experiments.report import read_jsonl
-
     results = evaluate(policy, task.heldout_dataset(samples), ["agent"], out, **eval_kwargs, runtime=runtime)
     return typed_metrics(read_jsonl(out / "trajectories" / "routing-heldout__agent.jsonl"), task.kinds), results
 
@@ -322,8 +326,6 @@ def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, se
     """SFT of ``s.policy`` on golden episodes of the first ``s.sft_examples`` training questions
     whose search modes come from ``s.sft_modes`` (drawn, or every mode once per question), never
     from the question type: the format, not the route. Returns ``run_sft``'s summary."""
-    from experiments.sft import golden_examples, run_sft
-
     modes = sft_modes(s.sft_modes)
     rotations = [None] if s.sft_mode_sampling == "draw" else range(len(modes))
     examples = [ex for rotation in rotations
@@ -343,10 +345,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
 
     With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
     ``task_key`` must match the earlier seed's task settings)."""
-    from experiments.train import load_config, open_runtime, train
-    from experiments.report import read_jsonl
-    from raggym.models import load_policy_tokenizer
-    from raggym.retrieval import Retriever
+    from experiments.train import open_runtime, train  # torch: on use (see the imports)
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -476,7 +475,7 @@ def rl_effect(table: dict, seeds: int, decoding: str = "greedy") -> list[dict]:
 
 def plot(out: Path, seed_runs: list[dict], stage1_steps: int) -> dict[str, str]:
     """Reward and per-type graph-share curves over training steps, one line per seed."""
-    import matplotlib
+    import matplotlib  # on use (see the imports)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -645,7 +644,7 @@ def finished_seed(seed_dir: Path, settings: SeedSettings, args) -> dict | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.routing", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.routing", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/routing")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--world-seed", type=int, default=0)
@@ -668,12 +667,6 @@ EVAL_KWARGS = dict(dialect="routerag", max_response_tokens=96, max_turn_tokens=4
 
 
 def run(args) -> dict:
-    import platform
-
-    from actors.cluster import init_ray
-    from raggym.atomic import atomic_write_json, atomic_write_text
-    from raggym.retrieval import Retriever
-
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -702,7 +695,7 @@ def run(args) -> dict:
         atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
     table, sampled_table = summarise(runs), summarise(runs, "sampled_evaluations")
     report = {"title": "RL teaches routing: SmolLM2-135M on the routing task (CPU)",
-              "command": "python -m experiments.routing " + " ".join(sys.argv[1:]),
+              "command": "python -m experiments.studies.routing " + " ".join(sys.argv[1:]),
               "machine": f"{platform.platform()}, {__import__('os').cpu_count()} CPUs",
               "seeds": list(args.seeds), "settings": vars(settings), "recall": recall, "table": table,
               "sampled_table": sampled_table,

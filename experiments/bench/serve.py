@@ -1,6 +1,6 @@
 """Load benchmark of the served agent (JSON): concurrent clients, then an overload burst.
 
-    python -m experiments.bench_serve [--clients 100] [--max-turns 2] [--overload-clients 300] [--overload-cap 8]
+    python -m experiments.bench.serve [--clients 100] [--max-turns 2] [--overload-clients 300] [--overload-cap 8]
     raggym bench serve --clients 100 --requests 1
 
 Builds a seeded synthetic world and its index (dense + graph) in a temp dir, starts a private
@@ -26,12 +26,20 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import socket
 import sys
 import tempfile
 import time
 
 import numpy as np
+import ray
+from ray import serve
+
+from actors.cluster import init_ray
+from experiments.serve import API_KEY_ENV, start
+from raggym.data.synthetic import generate_world
+from raggym.retrieval import Retriever
 
 
 def _free_port() -> int:
@@ -41,7 +49,7 @@ def _free_port() -> int:
 
 
 async def _load(url: str, questions: list[str], clients: int, per_client: int, max_turns: int, key: str) -> dict:
-    import aiohttp
+    import aiohttp  # on use: aiohttp comes with the dev extra
 
     latencies: list[float] = []
     statuses: dict[str, int] = {}
@@ -97,7 +105,7 @@ async def _load(url: str, questions: list[str], clients: int, per_client: int, m
 
 
 async def _healthy_after(url: str, question: str, key: str) -> dict:
-    import aiohttp
+    import aiohttp  # on use: aiohttp comes with the dev extra
 
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
         async with session.get(f"{url}/healthz") as r:
@@ -130,16 +138,6 @@ def main(argv=None) -> int:
                         "must not turn slow answers into 504s)")
     p.add_argument("--unbatched", action="store_true", help="also run the load phase with max_batch_size=1")
     args = p.parse_args(argv)
-
-    import secrets
-
-    import ray
-    from ray import serve
-
-    from actors.cluster import init_ray
-    from experiments.serve import API_KEY_ENV, start
-    from raggym.data.synthetic import generate_world
-    from raggym.retrieval import Retriever
 
     if bool(args.index) != bool(args.questions):
         p.error("--index and --questions go together")

