@@ -38,12 +38,14 @@ The same functions run one seed inside ``make demo`` (``experiments.demo``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,6 +250,19 @@ def preference_by_type(policy: str, tokenizer, probes: dict[str, list[dict]]) ->
     return out
 
 
+@contextlib.contextmanager
+def preference_threads(n: int):
+    """torch's intra-op threads in this process set to ``n`` for the block, then restored."""
+    import torch  # on use (see the imports)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
     """Per training step: mean reward and the graph share of each question type's searches."""
     rows = []
@@ -363,12 +378,16 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
 
     def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
         t = time.perf_counter()
-        evals[stage], results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder, {**eval_kwargs, "seed": seed},
-                                                       runtime=runtime)
         # The logit-read mode choice beside the greedy evaluation: it moves with every update,
-        # where greedy decoding shows a preference only once it crosses one half.
-        for kind, value in preference_by_type(policy_dir, tokenizer, probes).items():
-            evals[stage][kind]["graph_preference"] = value
+        # where greedy decoding shows a preference only once it crosses one half. It is computed
+        # in this process while the engine generates the evaluation's episodes, on one thread:
+        # the engine computes on a core of its own, and this process would otherwise wait.
+        with preference_threads(1), ThreadPoolExecutor(1) as pool:
+            preference = pool.submit(preference_by_type, policy_dir, tokenizer, probes)
+            evals[stage], results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder,
+                                                           {**eval_kwargs, "seed": seed}, runtime=runtime)
+            for kind, value in preference.result().items():
+                evals[stage][kind]["graph_preference"] = value
         if s.eval_samples > 0:
             sampled[stage], _ = evaluate_policy(policy_dir, task, out / "eval" / f"{folder}_sampled",
                                                 {**eval_kwargs, "seed": seed, "temperature": s.eval_temperature},
