@@ -1,6 +1,6 @@
 """Hypothesis strategies for adversarial assistant segments (needs the ``dev`` extra).
 
-The fuzz tests and ``experiments/bench_env.py`` draw segments from ``segments(dialect)``. A
+The fuzz tests and ``experiments/bench/env.py`` draw segments from ``segments(dialect)``. A
 segment is a concatenation of pieces chosen to break parsers:
 
 * every tag of every dialect (so foreign tags, nesting, doubling and unclosed tags all occur),
