@@ -188,7 +188,8 @@ def flat_weights_file(named_tensors, version: int | None, current_version: int) 
     vLLM's worker processes run on the engine's node (raggym starts them with vLLM's own
     ``mp``/uniproc executors), so they map the file rather than receive the buffer through the
     RPC, which pickles it across two process hops: for SmolLM2's 538 MB, 1.0 s instead of 3.8 s
-    here (docs/benchmarks.md). The file goes to ``/dev/shm`` (memory) when it has room."""
+    here (docs/results.md, "The demo on vLLM"). The file goes to ``/dev/shm`` (memory) when it
+    has room."""
     if isinstance(named_tensors, FlatWeights):
         flat = named_tensors
     else:
