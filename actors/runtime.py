@@ -66,12 +66,22 @@ def takes_knowledge_bases(env_id: str) -> bool:
     return "knowledge_bases" in inspect.signature(creator).parameters
 
 
+def teacher_evidence_tokens(cfg) -> int | None:
+    """Tokens of gold evidence in each rollout's recorded teacher prompt when PathRouter's teacher KL
+    is on (``learner.loss.teacher_kl``): as many as an observation keeps (``rollout.max_observation_tokens``).
+    None when it is off: the rollouts record no teacher prompt."""
+    if not ((cfg.learner or {}).get("loss") or {}).get("teacher_kl"):
+        return None
+    return int(cfg.rollout.max_observation_tokens)
+
+
 def _rollout_config(cfg) -> RolloutConfig:
     ro = cfg.rollout
     sequence = getattr(ro, "max_sequence_tokens", None)
     return RolloutConfig(max_response_tokens=int(ro.max_response_tokens), max_turn_tokens=int(ro.max_turn_tokens),
                          max_observation_tokens=int(ro.max_observation_tokens),
-                         max_sequence_tokens=None if sequence is None else int(sequence))
+                         max_sequence_tokens=None if sequence is None else int(sequence),
+                         teacher_evidence_tokens=teacher_evidence_tokens(cfg))
 
 
 def group_chunks(requests: Sequence[EpisodeRequest], n: int) -> list[list[int]]:

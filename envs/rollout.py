@@ -40,6 +40,11 @@ observation tokens, response and observation caps) live in ``raggym.trajectory``
 the budgets of ``RolloutConfig``: tokens per generation call (``max_turn_tokens``), model tokens
 per episode (``max_response_tokens``) and, optionally, tokens of the whole context
 (``max_sequence_tokens``: prompt, turns and observations together, as RouteRAG's 4,096).
+
+What the learner needs besides the tokens is recorded on each ``Rollout`` while it is known: the
+builder marks the model's mode choices turn by turn, and with ``teacher_evidence_tokens`` set the
+episode's start records PathRouter's teacher prompt, built from the gold passages and the prompt
+the environment's ``reset`` returned.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from envs.stepping import RetrievalRequest, run_retrieval
 from envs.wrappers import batched_step_env
 from raggym.generation import GenerationResult, SamplingParams
 from raggym.seeding import derive_seed
-from raggym.trajectory import Rollout, RolloutBuilder, chat_prompt_ids
+from raggym.trajectory import Rollout, RolloutBuilder, chat_prompt_ids, teacher_prompt_ids
 
 @dataclass(frozen=True)
 class EpisodeRequest:
@@ -82,6 +87,10 @@ class RolloutConfig:
     # how long the first pending retrieval waits for other episodes' requests before
     # the batch goes out (it goes at once when every live episode is waiting on retrieval).
     retrieval_batch_window_s: float = 0.02
+    # PathRouter's teacher KL reads each rollout's teacher prompt: the episode's gold passages, cut
+    # to this many tokens, before its prompt (``raggym.trajectory.teacher_prompt_ids``). None: no
+    # rollout records one (nothing reads it, and it would only cost a tokenization per episode).
+    teacher_evidence_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens"):
@@ -91,6 +100,9 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.max_sequence_tokens must be at least 1 or None, got {self.max_sequence_tokens}")
         if self.retrieval_batch_window_s < 0:
             raise ValueError(f"RolloutConfig.retrieval_batch_window_s must be >= 0, got {self.retrieval_batch_window_s}")
+        if self.teacher_evidence_tokens is not None and self.teacher_evidence_tokens < 1:
+            raise ValueError(f"RolloutConfig.teacher_evidence_tokens must be at least 1 or None, got "
+                             f"{self.teacher_evidence_tokens}")
 
 
 @dataclass
@@ -105,6 +117,7 @@ class _Slot:
     finished: list[RolloutBuilder] = field(default_factory=list)  # earlier calls (replace mode)
     seed: int | None = None  # the episode's own seed (turn t samples with derive_seed(seed, t))
     turn: int = 0  # model calls made so far
+    teacher_prompt_ids: list[int] | None = None  # recorded on every rollout of the episode
 
 
 def episode_seed(seed: int, request: EpisodeRequest, occurrence: int = 0) -> int:
@@ -373,6 +386,10 @@ class MultiTurnRollout:
         stepper = batched_step_env(env)
         prompt, _ = env.reset(options={"question": request.question, **dict(request.options)})
         slot = _Slot(env, stepper, request, None, stepper.context_mode == "replace")  # type: ignore[arg-type]
+        evidence_cap = self.config.teacher_evidence_tokens
+        if evidence_cap is not None:  # the gold passages are in the record from reset on
+            gold = [str(text) for text in getattr(stepper.record, "gold_passages", ())]
+            slot.teacher_prompt_ids = teacher_prompt_ids(self.tokenizer, gold, prompt, evidence_cap)
         slot.builder = self._builder(slot, prompt, request.step_index)
         return slot
 
@@ -381,7 +398,7 @@ class MultiTurnRollout:
         dialect = getattr(getattr(slot.stepper, "dialect", None), "name", None) or "routerag"
         room = cfg.max_response_tokens - slot.used  # replace mode: the episode's budget spans its calls
         builder = RolloutBuilder(self.tokenizer, dialect, r.prompt_id, r.sample_index, room, cfg.max_observation_tokens,
-                                 step_index=step_index)
+                                 step_index=step_index, teacher_prompt_ids=slot.teacher_prompt_ids)
         builder.add_prompt(chat_prompt_ids(self.tokenizer, prompt))
         return builder
 

@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 import envs
 from actors.cluster import init_ray
 from actors.learner import LearnerConfig
-from actors.runtime import bound_staleness, learner_config, make_runtime, takes_knowledge_bases
+from actors.runtime import (bound_staleness, learner_config, make_runtime, takes_knowledge_bases,
+                            teacher_evidence_tokens)
 from actors.storage import RunStorage, StorageError, stage_on_every_node
 from experiments.config import ConfigError, load_config, to_plain, validate_config
 from experiments.evaluate import evaluate_episodes
@@ -73,6 +74,11 @@ def _check_shared_runtime(runtime, cfg) -> None:
         a, b = OmegaConf.select(theirs, key), OmegaConf.select(ours, key)
         if a != b:
             raise ValueError(f"train: the given runtime was built with {key}={a!r}, this run has {key}={b!r}")
+    # The teacher KL reads the teacher prompt the runtime's rollouts record; a runtime built for a run
+    # without it records none.
+    if teacher_evidence_tokens(ours) not in (None, teacher_evidence_tokens(theirs)):
+        raise ValueError("train: this run's learner.loss.teacher_kl needs rollouts that record the teacher prompt; "
+                         "the given runtime was built without learner.loss.teacher_kl")
     if runtime.learners is None:
         raise ValueError("train: the given runtime has no learners (it was built for evaluation only)")
 
@@ -140,8 +146,8 @@ def train(cfg, runtime=None) -> dict:
     adv.pop("stop_route_group")  # which step groups exist, not how they are scored: golden_steps_for reads it
     if cfg.reward.method == "pathrouter":  # the routes use the reward's own C and P thresholds
         adv.update({k: cfg.reward[k] for k in ("correct_f1_threshold", "evidence_threshold") if k in cfg.reward})
-    teacher_kl = bool((cfg.learner.get("loss") or {}).get("teacher_kl"))
-    mode_slot = mode_choice_slot(cfg)  # where a search names its mode, for the mode entropy bonus
+    teacher_kl = teacher_evidence_tokens(cfg) is not None  # the rollouts then record the teacher's prompt
+    mode_slot = mode_choice_slot(cfg)  # the mode entropy bonus is on (the rollouts record the mode choices)
     eval_every, eval_kwargs = int(cfg.eval.every), {**to_plain(cfg.env.kwargs), **to_plain(cfg.eval.env_kwargs)}
 
     data = load_run_data(cfg, storage, multi_kb=takes_knowledge_bases(cfg.env.id))
@@ -220,9 +226,9 @@ def train(cfg, runtime=None) -> dict:
             # 5. update, 6. sync (skipped when dynamic sampling kept no group with a learning signal)
             t2 = t3 = time.perf_counter()
             if kept:
-                extra = teacher_fields(kept, rt.tokenizer, int(cfg.rollout.max_observation_tokens)) if teacher_kl else {}
+                extra = teacher_fields(kept, int(rt.tokenizer.pad_token_id)) if teacher_kl else {}
                 if mode_slot:
-                    extra.update(mode_choice_fields(kept, rt.tokenizer, mode_slot))
+                    extra.update(mode_choice_fields(kept))
                 batch, fillers = assemble_batch(kept, advantages, int(rt.tokenizer.pad_token_id), mini_batch, extra)
                 learned = rt.learners.update(batch, step)                                          # 5. update
                 t2 = time.perf_counter()

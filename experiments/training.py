@@ -116,8 +116,8 @@ def load_run_data(cfg, out_dir, *, multi_kb: bool = False) -> RunData:
 
 def mode_choice_slot(cfg) -> str | None:
     """The dialect's ``mode_slot`` pattern when ``learner.loss.mode_entropy_coef`` is on, else
-    None: where the recipe marks each rollout's mode-choice tokens for the learner
-    (``validate_config`` has checked that the env's dialect has one)."""
+    None: when set, the recipe hands the learner the mode-choice tokens each rollout recorded at
+    that slot (``validate_config`` has checked that the env's dialect has one)."""
     if float(((cfg.learner or {}).get("loss") or {}).get("mode_entropy_coef") or 0.0) <= 0:
         return None
     return mode_slot_of(cfg.env.id)

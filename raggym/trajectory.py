@@ -10,16 +10,28 @@ A rollout is built turn by turn, token-in-token-out:
 Loss mask: 1 on model tokens, 0 on prompt and observation tokens. Span labels
 (``raggym.algorithms.spans.SpanLabel``): PROMPT, OBSERVATION, and for model tokens THINK, QUERY,
 ANSWER or OTHER from the dialect's tags inside that turn's text.
+
+What the learner needs beyond the tokens is recorded when it is known, so that nothing downstream
+decodes the model's output again:
+
+- each model turn records where in it the model named a search's retrieval mode (the tokens the
+  dialect's ``mode_slot`` points at, found in the text the turn is decoded to for the environment
+  anyway): ``Rollout.mode_choice_positions``;
+- a builder given PathRouter's teacher prompt (``teacher_prompt_ids``, which the rollout loop
+  builds at the episode's start from the gold passages and the prompt when the teacher KL is on)
+  records it: ``Rollout.teacher_prompt_ids``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from raggym.algorithms.spans import SpanLabel, label_characters, label_tokens
+from raggym.protocol import get_dialect
 
 
 def token_char_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
@@ -48,6 +60,21 @@ def token_char_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[tuple[i
     return text, offsets
 
 
+def mode_choice_token_indices(text: str, offsets: Sequence[tuple[int, int]], slot: re.Pattern[str]) -> list[int]:
+    """Indices into ``offsets`` of the tokens where ``text`` names a search's retrieval mode.
+
+    ``slot`` is a dialect's compiled ``mode_slot``; the choice is the token holding the first
+    character after each match (RouteRAG's marks the ``graph`` of ``<search> [graph]``). A slot
+    the text leaves unfinished (a match at its very end) names nothing.
+    """
+    chosen: dict[int, None] = {}  # ordered and without repeats: a token is a choice once
+    for match in slot.finditer(text):
+        index = next((j for j, (start, end) in enumerate(offsets) if start <= match.end() < end), None)
+        if index is not None:
+            chosen[index] = None
+    return list(chosen)
+
+
 @dataclass
 class Rollout:
     """One sampled sequence, the record that flows unchanged from the rollout loop to the learner.
@@ -64,6 +91,11 @@ class Rollout:
     ``outcome`` is the ``EpisodeOutcome`` every reward reads; ``episode`` is the environment's
     record as a plain dict (kept for trajectory dumps and evaluation tables); ``turns`` holds per
     model turn its ids, text, finish reason, logprobs and the policy weight version that sampled it.
+
+    Recorded for the learner while the rollout ran: ``mode_choice_positions`` (indices into
+    ``token_ids``, ascending, of the model tokens that name a search's retrieval mode; the mode
+    entropy bonus acts there) and ``teacher_prompt_ids`` (PathRouter's teacher prompt, the gold
+    evidence before the episode's prompt; ``None`` when the rollout was not asked for it).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -78,6 +110,8 @@ class Rollout:
     episode: dict[str, Any] = field(default_factory=dict)
     turns: list[dict[str, Any]] = field(default_factory=list)
     truncated_by_length: bool = False
+    mode_choice_positions: list[int] = field(default_factory=list)
+    teacher_prompt_ids: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -98,6 +132,8 @@ class Rollout:
         n = len(self.token_ids)
         if not (len(self.loss_mask) == len(self.sampled_logprobs) == len(self.span_labels) == n):
             raise ValueError("rollout arrays differ in length")
+        if any(not (0 <= p < n and self.loss_mask[p]) for p in self.mode_choice_positions):
+            raise ValueError("a recorded mode choice is not a model token of the rollout")
 
     def model_token_spans(self) -> list[list[int]]:
         """The ids of each model turn, recovered from the flat arrays via the mask."""
@@ -127,6 +163,8 @@ class Rollout:
             "episode": self.episode,
             "turns": self.turns,
             "truncated_by_length": self.truncated_by_length,
+            "mode_choice_positions": list(self.mode_choice_positions),
+            "teacher_prompt_ids": None if self.teacher_prompt_ids is None else list(self.teacher_prompt_ids),
         }
 
 
@@ -140,16 +178,36 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def teacher_prompt_ids(tokenizer, gold_passages: Sequence[str], prompt: str, max_evidence_tokens: int) -> list[int]:
+    """PathRouter's teacher prompt: ``prompt`` preceded by the gold evidence, in the chat template.
+
+    The evidence is the gold passages joined by newlines, cut to its first ``max_evidence_tokens``
+    tokens. The cut is made on ids and decoded back to text because the teacher reads the evidence
+    inside one chat message, tokenized as a whole like any prompt.
+    """
+    evidence_ids = tokenizer("\n".join(gold_passages), add_special_tokens=False)["input_ids"][:max_evidence_tokens]
+    evidence = tokenizer.decode(evidence_ids, skip_special_tokens=True)
+    return chat_prompt_ids(tokenizer, f"Evidence:\n{evidence}\n\n{prompt}")
+
+
 class RolloutBuilder:
-    """Accumulates one episode's tokens; see the module docstring for the rules."""
+    """Accumulates one episode's tokens; see the module docstring for the rules.
+
+    ``teacher_prompt_ids``: the episode's teacher prompt, recorded on the rollout as given.
+    """
 
     def __init__(self, tokenizer, dialect: str, prompt_id: str = "", sample_index: int = 0,
-                 max_response_tokens: int = 512, max_observation_tokens: int = 512, step_index: int = 0):
+                 max_response_tokens: int = 512, max_observation_tokens: int = 512, step_index: int = 0,
+                 teacher_prompt_ids: Sequence[int] | None = None):
         self.tokenizer = tokenizer
         self.dialect = dialect
+        slot = get_dialect(dialect).mode_slot
+        self.mode_slot = re.compile(slot) if slot else None  # None: this dialect's searches name no mode
         self.max_response_tokens = int(max_response_tokens)
         self.max_observation_tokens = int(max_observation_tokens)
-        self.rollout = Rollout(prompt_id=prompt_id, step_index=step_index, sample_index=sample_index)
+        teacher = None if teacher_prompt_ids is None else [int(t) for t in teacher_prompt_ids]
+        self.rollout = Rollout(prompt_id=prompt_id, step_index=step_index, sample_index=sample_index,
+                               teacher_prompt_ids=teacher)
 
     @property
     def response_budget_left(self) -> int:
@@ -172,6 +230,10 @@ class RolloutBuilder:
             raise ValueError(f"turn of {len(ids)} tokens exceeds the response budget ({self.response_budget_left} left)")
         text, offsets = token_char_offsets(self.tokenizer, ids)
         labels = label_tokens(label_characters(text, self.dialect), offsets) if ids else np.zeros(0, dtype=np.int64)
+        if self.mode_slot is not None:  # found in this turn's own text: a turn is where a choice is made
+            start = len(self.rollout.token_ids)
+            chosen = mode_choice_token_indices(text, offsets, self.mode_slot)
+            self.rollout.mode_choice_positions.extend(start + j for j in chosen)
         self._extend(ids, 1, [float(x) for x in logprobs], [int(x) for x in labels])
         self.rollout.turns.append({"token_ids": ids, "text": text, "finish_reason": finish_reason,
                                 "weight_version": int(weight_version), "logprobs": [float(x) for x in logprobs]})

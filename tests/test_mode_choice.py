@@ -1,9 +1,10 @@
 """Where the agent chose a retrieval mode: the tokens the learner's mode entropy bonus acts on.
 
-``mode_choice_mask`` reads a rollout's model-written text with the real SmolLM2 tokenizer and
-marks the token holding the first character of each search's mode name, found through the
-dialect's ``mode_slot``. Text the environment wrote (the prompt's instructions, an observation)
-must never be marked: the agent chose nothing there.
+``RolloutBuilder`` records, as each model turn is appended, the token holding the first
+character of each search's mode name in that turn's text (found through the dialect's
+``mode_slot``), here with the real SmolLM2 tokenizer; ``mode_choice_mask`` marks the recorded
+positions. Text the environment wrote (the prompt's instructions, an observation) must never be
+marked: the agent chose nothing there.
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ from hypothesis import strategies as st
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from raggym.algorithms.batch import assemble_batch, mode_choice_fields, mode_choice_mask  # noqa: E402
-from raggym.protocol import get_dialect  # noqa: E402
 from raggym.trajectory import RolloutBuilder  # noqa: E402
-
-SLOT = get_dialect("routerag").mode_slot
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +41,7 @@ def episode(tokenizer, turns: list[str], observation: str = "<information> a not
 
 
 def marked(tokenizer, rollout) -> list[str]:
-    mask = mode_choice_mask(rollout, tokenizer, SLOT)
+    mask = mode_choice_mask(rollout)
     return [tokenizer.decode([rollout.token_ids[i]]) for i, m in enumerate(mask) if m]
 
 
@@ -54,7 +52,7 @@ def test_only_the_models_own_mode_names_are_marked(tokenizer):
                       observation="<information> it said <search> [graph] inside a document </information>")
     # the prompt's example and the observation's copy are the environment's text, not choices
     assert marked(tokenizer, rollout) == ["graph", "pass"]
-    assert sum(mode_choice_mask(rollout, tokenizer, SLOT)) == 2
+    assert sum(mode_choice_mask(rollout)) == 2
 
 
 def test_a_turn_without_a_finished_slot_marks_nothing(tokenizer):
@@ -77,9 +75,39 @@ def test_filler_rows_carry_no_mode_choice(tokenizer):
     rollouts = [episode(tokenizer, ["<search> [graph] q</search>", "<answer> a </answer>"]),
                 episode(tokenizer, ["<search> [passage] q</search>", "<answer> a </answer>"]),
                 episode(tokenizer, ["<answer> a </answer>"])]
-    fields = mode_choice_fields(rollouts, tokenizer, SLOT)
+    fields = mode_choice_fields(rollouts)
     assert fields["mode_choice_mask"].sum(-1).tolist() == [1.0, 1.0, 0.0]
     batch, fillers = assemble_batch(rollouts, [1.0, -1.0, 0.0], pad_token_id=0, multiple=4, extra=fields)
     assert fillers == 1 and batch["mode_choice_mask"][3].sum() == 0 and batch["loss_mask"][3].sum() == 0
     # a marked token is always one the loss trains on
     assert bool(((batch["mode_choice_mask"] > 0) <= (batch["loss_mask"] > 0)).all())
+
+
+def test_the_recorded_positions_count_the_prompt_turns_and_observations_before_them(tokenizer):
+    turns = ["<search> [graph] who</search>", "<search>[passage] q</search>", "<answer> a </answer>"]
+    rollout = episode(tokenizer, turns, observation="<information> x </information>", prompt="Pick a mode.")
+    # SmolLM2 splits: the prompt into 4 tokens (positions 0-3); turn 1 into '<' 'search' '>' ' ['
+    # 'graph' ']' ' who' '</' 'search' '>' (4-13, 'graph' at 4 + 4 = 8); the observation into '<'
+    # 'information' '>' ' x' ' </' 'information' '>' (14-20); turn 2 into '<' 'search' '>' '['
+    # 'pass' 'age' ']' ' q' '</' 'search' '>' (21-31, 'pass' at 21 + 4 = 25); then the second
+    # observation (32-38) and the answer (39-45), which names no mode.
+    assert len(rollout) == 46
+    assert rollout.mode_choice_positions == [8, 25]
+    assert [tokenizer.decode([rollout.token_ids[p]]) for p in (8, 25)] == ["graph", "pass"]
+    assert rollout.as_dict()["mode_choice_positions"] == [8, 25]
+
+
+def test_a_mode_choice_off_the_models_tokens_is_refused(tokenizer):
+    rollout = episode(tokenizer, ["<search> [graph] who</search>", "<answer> a </answer>"], prompt="Pick a mode.")
+    rollout.check()
+    rollout.mode_choice_positions.append(2)  # a prompt token
+    with pytest.raises(ValueError, match="not a model token"):
+        rollout.check()
+
+
+def test_a_dialect_without_a_mode_slot_records_no_choice(tokenizer):
+    builder = RolloutBuilder(tokenizer, "search_r1", max_response_tokens=64)
+    builder.add_prompt(tokenizer.encode("Q?", add_special_tokens=False))
+    ids = tokenizer.encode("<search> [graph] q</search>", add_special_tokens=False)
+    builder.add_model_turn(ids, [0.0] * len(ids))
+    assert builder.finish({}).mode_choice_positions == []

@@ -21,7 +21,7 @@ from raggym.algorithms import SpanLabel, dynamic_sampling_filter, get_advantage_
 from raggym.algorithms.batch import assemble_batch, make_train_batch, teacher_fields
 from raggym.rewards import EpisodeOutcome
 from raggym.rewards.r1_router import TABLE_KB, TEXT_KB, r1_router_step_rewards
-from raggym.trajectory import Rollout
+from raggym.trajectory import Rollout, teacher_prompt_ids
 
 SQRT_HALF = math.sqrt(0.5)  # GRPO advantage of a two-sample group with distinct rewards: ±1/√2 (sample std)
 GRPO_OPTIONS = {"eps": 1e-6, "normalize_by_std": True, "unbiased_std": True}
@@ -111,6 +111,14 @@ def _rollout(prompt, response, labels, *, prompt_text="", gold_passages=(), retr
                    episode={"prompt": prompt_text})
 
 
+def _with_teacher_prompt(tokenizer, rollout, max_evidence_tokens):
+    """``rollout`` with the teacher prompt the rollout loop records under ``RolloutConfig.teacher_evidence_tokens``
+    (from the episode's gold passages and its prompt)."""
+    rollout.teacher_prompt_ids = teacher_prompt_ids(tokenizer, rollout.outcome.gold_passages, rollout.episode["prompt"],
+                                                    max_evidence_tokens)
+    return rollout
+
+
 def test_teacher_fields_put_the_gold_evidence_before_the_prompt_and_align_the_student_tokens(tokenizer):
     from raggym.trajectory import chat_prompt_ids
 
@@ -120,7 +128,7 @@ def test_teacher_fields_put_the_gold_evidence_before_the_prompt_and_align_the_st
                      retrieved=("The tower stands in Paris.",))
     second = _rollout([21, 22], [601, 602], [A, Q], prompt_text="Who built it?", gold_passages=("Eiffel built it.",),
                       sample=1)
-    fields = teacher_fields([first, second], tokenizer, max_evidence_tokens=4)
+    fields = teacher_fields([_with_teacher_prompt(tokenizer, r, 4) for r in (first, second)], tokenizer.pad_token_id)
 
     # The evidence is the gold passages joined by newlines, cut to its first 4 tokens.
     evidence_ids = tokenizer("The tower stands in Paris.\nParis is in France.", add_special_tokens=False)["input_ids"]
@@ -146,12 +154,19 @@ def test_teacher_fields_put_the_gold_evidence_before_the_prompt_and_align_the_st
     assert fields["evidence_overlap"].tolist() == pytest.approx([0.75, 0.0])
 
 
+def test_teacher_fields_refuse_rollouts_that_recorded_no_teacher_prompt(tokenizer):
+    recorded = _with_teacher_prompt(tokenizer, _rollout([11], [501], [SpanLabel.THINK], prompt_text="a?"), 8)
+    bare = _rollout([11], [502], [SpanLabel.THINK], prompt_text="a?", sample=1)
+    with pytest.raises(ValueError, match=r"1 rollouts \(the first: 0:q/1\) recorded no teacher prompt"):
+        teacher_fields([recorded, bare], tokenizer.pad_token_id)
+
+
 def test_assemble_batch_pads_teacher_fields_with_inert_filler_rows(tokenizer):
     T, Q, A = SpanLabel.THINK, SpanLabel.QUERY, SpanLabel.ANSWER
     rollouts = [_rollout([11, 12], [501, 502, 503], [T, Q, A], prompt_text="a?", gold_passages=("x",)),
                 _rollout([11, 12], [504, 505], [Q, A], prompt_text="a?", gold_passages=("x",), sample=1),
                 _rollout([13], [506], [T], prompt_text="b?", gold_passages=("y",), prompt_id="0:r")]
-    extra = teacher_fields(rollouts, tokenizer, max_evidence_tokens=8)
+    extra = teacher_fields([_with_teacher_prompt(tokenizer, r, 8) for r in rollouts], tokenizer.pad_token_id)
     batch, fillers = assemble_batch(rollouts, [0.75, -0.75, 0.0], pad_token_id=0, multiple=4, extra=extra)
     assert fillers == 1
     assert {k: tuple(v.shape) for k, v in batch.items()} == {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -91,10 +92,9 @@ def check_learner_step(cfg, record, lines):
 
 
 def test_routerag_tiny_step(tiny_vllm_policy, index_root, tmp_path):
-    from raggym.algorithms.batch import mode_choice_mask
     from raggym.models import load_policy_tokenizer
     from raggym.protocol import get_dialect
-    from raggym.trajectory import Rollout
+    from raggym.trajectory import mode_choice_token_indices, token_char_offsets
 
     cfg, record, lines = run_one_step("routerag", tiny_vllm_policy, index_root, tmp_path / "routerag",
                                       "learner.loss.mode_entropy_coef=1.0")
@@ -102,10 +102,12 @@ def test_routerag_tiny_step(tiny_vllm_policy, index_root, tmp_path):
     check_rewards_and_advantages(cfg, record, lines)
     check_learner_step(cfg, record, lines)
     assert "learner/kl_loss" in record  # kl_coef 0.001 against the frozen reference
-    # the mode entropy bonus saw every mode the rollouts' searches named, and nothing else
-    tokenizer, slot = load_policy_tokenizer(tiny_vllm_policy), get_dialect("routerag").mode_slot
-    named = sum(sum(mode_choice_mask(Rollout(token_ids=ln["token_ids"], loss_mask=ln["loss_mask"]), tokenizer, slot))
-                for ln in lines)
+    # the mode entropy bonus saw every mode the rollouts' searches named, and nothing else: the
+    # choices found again in each dumped turn's ids are the ones the rollouts recorded
+    tokenizer, slot = load_policy_tokenizer(tiny_vllm_policy), re.compile(get_dialect("routerag").mode_slot)
+    named = sum(len(mode_choice_token_indices(*token_char_offsets(tokenizer, turn["token_ids"]), slot))
+                for ln in lines for turn in ln["turns"])
+    assert sum(len(ln["mode_choice_positions"]) for ln in lines) == named
     assert record["learner/mode_choices"] == named
 
 

@@ -1,12 +1,13 @@
 """From ``Rollout`` records to the learner's ``TrainBatch``: padding, filler rows, teacher inputs.
 
-Pure functions of token lists and tensors (no model, no Ray). The batch format is described in
-``actors.learner``'s module docstring.
+Pure functions of token lists and tensors (no model, no Ray, no tokenizer). What the batch needs
+beyond the tokens (where the model chose a retrieval mode, PathRouter's teacher prompt) the
+rollout recorded when it happened (``raggym.trajectory``); nothing here decodes the model's
+output again. The batch format is described in ``actors.learner``'s module docstring.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import numpy as np
@@ -83,71 +84,50 @@ def assemble_batch(rollouts: Sequence, advantages: torch.Tensor | Sequence[float
     return batch, pad
 
 
-def _model_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
-    """``(start, end)`` of each maximal run of model-written tokens (loss mask 1)."""
-    runs, start = [], None
-    for i, m in enumerate(list(loss_mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
-def mode_choice_mask(rollout, tokenizer, slot_pattern: str) -> list[float]:
+def mode_choice_mask(rollout) -> list[float]:
     """1.0 on each token where the model chose a search's retrieval mode, 0.0 elsewhere.
 
-    The choice is the token holding the first character after a match of ``slot_pattern`` (a
-    dialect's ``mode_slot``; RouteRAG's marks the ``graph`` of ``<search> [graph]``) in text the
-    model wrote. A match in the prompt or in an observation is not the model's choice and is
-    never marked; a slot the model left unfinished marks nothing.
+    The positions are the rollout's ``mode_choice_positions``, recorded turn by turn from the
+    dialect's ``mode_slot`` (RouteRAG's marks the ``graph`` of ``<search> [graph]``) in the text
+    the model wrote; the prompt and the observations are never marked.
     """
-    # Imported here: raggym.trajectory imports raggym.algorithms, whose __init__ imports this module.
-    from raggym.trajectory import token_char_offsets
-
-    slot = re.compile(slot_pattern)
     mask = [0.0] * len(rollout.token_ids)
-    for start, end in _model_runs(rollout.loss_mask):
-        text, offsets = token_char_offsets(tokenizer, rollout.token_ids[start:end])
-        for match in slot.finditer(text):
-            chosen = next((j for j, (a, b) in enumerate(offsets) if a <= match.end() < b), None)
-            if chosen is not None:
-                mask[start + chosen] = 1.0
+    for position in rollout.mode_choice_positions:
+        mask[position] = 1.0
     return mask
 
 
-def mode_choice_fields(rollouts: Sequence, tokenizer, slot_pattern: str) -> TrainBatch:
+def mode_choice_fields(rollouts: Sequence) -> TrainBatch:
     """``{"mode_choice_mask": [N, T]}`` for the learner's mode entropy bonus (``mode_choice_mask``
     per rollout, right-padded like the other per-token fields)."""
-    rows = [mode_choice_mask(r, tokenizer, slot_pattern) for r in rollouts]
+    rows = [mode_choice_mask(r) for r in rollouts]
     return {"mode_choice_mask": _pad_rows(rows, len(rows), max(len(r.token_ids) for r in rollouts), torch.float32)}
 
 
-def teacher_fields(rollouts: Sequence, tokenizer, max_evidence_tokens: int) -> TrainBatch:
+def teacher_fields(rollouts: Sequence, pad_token_id: int) -> TrainBatch:
     """PathRouter's teacher inputs: the same trajectory behind a prompt that shows the gold evidence.
 
-    The teacher prompt is the episode's prompt preceded by the gold passages (capped at
-    ``max_evidence_tokens`` tokens) in the chat template; the response tokens are the student's,
-    so student token ``t ≥ prompt_length`` is teacher token ``len(teacher prompt) + t − prompt_length``.
-    ``evidence_overlap`` is read from each rollout's outcome (computed once there).
+    The teacher prompt is each rollout's recorded ``teacher_prompt_ids`` (the episode's prompt
+    preceded by the gold passages, ``raggym.trajectory.teacher_prompt_ids``); the response tokens
+    are the student's, so student token ``t ≥ prompt_length`` is teacher token
+    ``len(teacher prompt) + t − prompt_length``. ``evidence_overlap`` is read from each rollout's
+    outcome (computed once there).
     """
-    # Imported here: raggym.trajectory imports raggym.algorithms, whose __init__ imports this module.
-    from raggym.trajectory import chat_prompt_ids
-
+    missing = [f"{r.prompt_id}/{r.sample_index}" for r in rollouts if r.teacher_prompt_ids is None]
+    if missing:
+        raise ValueError(f"{len(missing)} rollouts (the first: {missing[0]}) recorded no teacher prompt; roll out "
+                         "with RolloutConfig.teacher_evidence_tokens set (the trainer sets it when "
+                         "learner.loss.teacher_kl is on)")
     rows, positions, masks = [], [], []
     for r in rollouts:
-        gold = list(r.outcome.gold_passages)
-        evidence_ids = tokenizer("\n".join(gold), add_special_tokens=False)["input_ids"][:max_evidence_tokens]
-        evidence = tokenizer.decode(evidence_ids, skip_special_tokens=True)
-        prompt = chat_prompt_ids(tokenizer, f"Evidence:\n{evidence}\n\n{r.episode.get('prompt', '')}")
+        prompt = list(r.teacher_prompt_ids)
         p = int(r.prompt_length)
         response = list(r.token_ids[p:])
         rows.append(prompt + response)
         positions.append([-1] * p + [len(prompt) + i for i in range(len(response))])
         masks.append(np.asarray(teacher_kl_mask_from_labels(r.span_labels), dtype=np.float32))
     n, width, student = len(rows), max(len(r) for r in rows), max(len(r.token_ids) for r in rollouts)
-    ids = torch.full((n, width), int(tokenizer.pad_token_id), dtype=torch.long)
+    ids = torch.full((n, width), int(pad_token_id), dtype=torch.long)
     attn = torch.zeros((n, width), dtype=torch.long)
     pos = torch.full((n, student), -1, dtype=torch.long)
     for i, (row, p) in enumerate(zip(rows, positions)):

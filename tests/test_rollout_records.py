@@ -1,0 +1,73 @@
+"""What the rollout loop records on each ``Rollout`` for the learner, while the episode runs.
+
+The scripted engine (``actors/engines/scripted.py``) plays known segments through the real SmolLM2
+tokenizer; the environment is the real ``RagSearchEnv`` over ``KeywordRetriever`` (no model). The
+rollouts must carry the tokens where the model named a retrieval mode and, when the config asks
+for it, PathRouter's teacher prompt, so that the learner's inputs are built without decoding the
+model's output again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.engines import make_engine
+from envs import RagSearchEnv
+from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
+from raggym.algorithms.batch import teacher_fields
+from raggym.data import Corpus
+from raggym.trajectory import chat_prompt_ids
+from test_envs_support import PASSAGES, QUESTIONS, make_retriever
+
+BOTH_MODES = ["<think>look</think>\n<search> [passage] {question} </search>",
+              "<think>again</think>\n<search> [graph] {question} </search>",
+              "<think>done</think>\n<answer> London </answer>"]
+CONFIG = dict(max_response_tokens=200, max_turn_tokens=64, max_observation_tokens=128)
+NOLAN = QUESTIONS[0]  # two gold passages: Inception's and Christopher Nolan's
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_engine("scripted", model="smollm2-135m").tokenizer
+
+
+def run(tokenizer, samples: int = 2, **config):
+    engine = make_engine("scripted", tokenizer=tokenizer, script=BOTH_MODES)
+    corpus = Corpus(PASSAGES)
+    envs = [RagSearchEnv(make_retriever(), [NOLAN], dialect="routerag", corpus=corpus) for _ in range(samples)]
+    loop = MultiTurnRollout(LocalBackend(engine), tokenizer, None, RolloutConfig(**{**CONFIG, **config}))
+    return envs, loop.run(envs, [EpisodeRequest(NOLAN, f"0:{NOLAN.id}", g) for g in range(samples)])
+
+
+def test_each_search_records_the_token_that_starts_its_mode_name(tokenizer):
+    _, rollouts = run(tokenizer)
+    for rollout in rollouts:
+        assert [tokenizer.decode([rollout.token_ids[p]]) for p in rollout.mode_choice_positions] == ["pass", "graph"]
+        # each lies in the turn that named it: the first before the first observation, the second after it
+        first_turn_end = rollout.prompt_length + len(rollout.turns[0]["token_ids"])
+        passage, graph = rollout.mode_choice_positions
+        assert rollout.prompt_length < passage < first_turn_end < graph
+
+
+def test_the_teacher_prompt_is_recorded_from_the_gold_passages_and_the_reset_prompt(tokenizer):
+    envs, rollouts = run(tokenizer, teacher_evidence_tokens=10)
+    gold = "\n".join(p.text for p in PASSAGES[:2])  # NOLAN's gold passages, in the question's order
+    evidence = tokenizer.decode(tokenizer(gold, add_special_tokens=False)["input_ids"][:10], skip_special_tokens=True)
+    # 10 tokens: 'In' 'ception' ' is' ' a' ' ' '2' '0' '1' '0' ' film' (SmolLM2 spells numbers digit by digit)
+    assert evidence == "Inception is a 2010 film"
+    for env, rollout in zip(envs, rollouts):
+        assert rollout.teacher_prompt_ids == chat_prompt_ids(tokenizer, f"Evidence:\n{evidence}\n\n{env.record.prompt}")
+        assert rollout.as_dict()["teacher_prompt_ids"] == rollout.teacher_prompt_ids
+    fields = teacher_fields(rollouts, int(tokenizer.pad_token_id))
+    for row, rollout in enumerate(rollouts):  # the teacher reads the student's own response tokens after its prompt
+        for t in range(rollout.prompt_length, len(rollout)):
+            assert fields["teacher_token_ids"][row, fields["teacher_positions"][row, t]] == rollout.token_ids[t]
+
+
+def test_no_teacher_prompt_is_recorded_unless_asked(tokenizer):
+    _, rollouts = run(tokenizer, samples=1)
+    assert rollouts[0].teacher_prompt_ids is None and rollouts[0].as_dict()["teacher_prompt_ids"] is None
+    with pytest.raises(ValueError, match="recorded no teacher prompt"):
+        teacher_fields(rollouts, int(tokenizer.pad_token_id))
+    with pytest.raises(ValueError, match="teacher_evidence_tokens must be at least 1"):
+        RolloutConfig(teacher_evidence_tokens=0)
