@@ -56,6 +56,14 @@ def _add_synth(sub):
     p.add_argument("--alias-share", type=float, default=0.1, help="share of bridge facts reachable only via the graph")
     p.add_argument("--questions", type=int, default=200)
     p.add_argument("--tables", action="store_true", help="put year attributes in a table KB (tables.jsonl)")
+    p.add_argument("--task", choices=["multihop", "routing"], default="multihop",
+                   help="multihop: bridge chains and comparisons; routing: the one-hop world the demo and the routing "
+                        "study learn on, where the right search mode depends on the question (graph-only or direct)")
+    p.add_argument("--graph-only-share", type=float, default=0.5,
+                   help="--task routing: share of questions about facts only the graph reaches (default 0.5)")
+    p.add_argument("--heldout", type=int, default=0,
+                   help="also write train_questions.jsonl and heldout_questions.jsonl, holding out this many "
+                        "questions (the demo's split: --task routing --entities 300 --questions 400 --heldout 48)")
     p.add_argument("--format", choices=["jsonl", "json", "parquet"], default="jsonl")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_synth)
@@ -70,15 +78,18 @@ def _run_synth(args) -> int:
         alias_share=args.alias_share,
         n_questions=args.questions,
         attribute_kb="table" if args.tables else "text",
+        task=args.task,
+        graph_only_share=args.graph_only_share,
     )
     if args.passages:
         cfg.n_entities = entities_for_passages(args.passages, cfg)
-    stats = write_world(cfg, args.out, corpus_format=args.format, progress=not args.json)
+    stats = write_world(cfg, args.out, corpus_format=args.format, progress=not args.json, heldout=args.heldout)
     if args.json:
         print(json.dumps(stats))
     else:
         print(f"wrote {stats['passages']:,} passages, {stats['triples']:,} triples and {stats['questions']} questions "
-              f"to {args.out} in {stats['seconds']:.1f} s")
+              f"to {args.out} in {stats['seconds']:.1f} s"
+              + (f" ({stats['split']['train']} train, {stats['split']['heldout']} held out)" if args.heldout else ""))
     return 0
 
 

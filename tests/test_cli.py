@@ -6,6 +6,8 @@ import pytest
 
 from experiments.cli import build_parser, main
 from raggym.data import load_corpus, load_questions
+from raggym.data.splits import hold_out
+from raggym.data.synthetic import generate_world
 
 SUBCOMMANDS = ["index", "retrieve", "train", "eval", "serve", "demo", "bench"]
 
@@ -72,6 +74,26 @@ def test_synth_writes_loadable_files(tmp_path, capsys):
     corpus = load_corpus(tmp_path / "w" / "corpus.jsonl")
     assert len(corpus) == stats["passages"]
     assert len(load_questions(tmp_path / "w" / "questions.jsonl", corpus)) == 10
+
+
+def test_synth_writes_the_routing_world_the_demo_learns_on(tmp_path, capsys):
+    out = tmp_path / "routing"
+    assert main(["synth", "--task", "routing", "--out", str(out), "--entities", "120", "--questions", "40",
+                 "--heldout", "8", "--seed", "3", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["split"] == {"train": 32, "heldout": 8}
+    # the demo and the routing study build their world in memory (build_task): the same world, split the same way
+    world = generate_world(3, n_entities=120, n_questions=40, task="routing")
+    corpus = load_corpus(out / "corpus.jsonl")
+    assert [(p.id, p.text) for p in corpus] == [(p.id, p.text) for p in world.corpus]
+    written = {name: load_questions(out / f"{name}_questions.jsonl", corpus) for name in ("train", "heldout")}
+    train, heldout = hold_out(world.questions, 8, 3)
+    assert [(q.id, q.question, q.kind) for q in written["heldout"]] == [(q.id, q.question, q.kind) for q in heldout]
+    assert [q.id for q in written["train"]] == [q.id for q in train]
+    assert {q.kind for q in written["train"]} == {"graph_only", "direct"}
+    assert main(["synth", "--task", "routing", "--out", str(tmp_path / "bad"), "--entities", "120",
+                 "--questions", "40", "--heldout", "41"]) == 2
+    assert "heldout" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_train_rejects_a_missing_config_in_one_line(capsys, tmp_path):

@@ -56,7 +56,7 @@ from experiments.report import read_jsonl
 from experiments.sft import LR_SCHEDULES, balanced_order, golden_examples, grouped_order, run_sft
 from raggym.atomic import atomic_write_json, atomic_write_text
 from raggym.data import write_corpus, write_questions
-from raggym.data.splits import split_questions
+from raggym.data.splits import hold_out
 from raggym.data.synthetic import generate_world
 from raggym.models import load_policy, load_policy_tokenizer
 from raggym.retrieval import Retriever, ensure_index
@@ -113,8 +113,7 @@ def repeated_questions(questions, samples: int) -> list:
 def build_task(out: Path, *, seed: int, entities: int, questions: int, heldout: int, show_progress: bool = True) -> RoutingTask:
     """Generate the routing world (``seed``), split it, write its files and build its index."""
     world = generate_world(seed, n_entities=entities, n_questions=questions, task="routing")
-    train_q, heldout_q = split_questions(world.questions, heldout / len(world.questions), seed)
-    heldout_q = heldout_q[:heldout]
+    train_q, heldout_q = hold_out(world.questions, heldout, seed)  # as `raggym synth --task routing --heldout` writes it
     wdir = out / "world"
     wdir.mkdir(parents=True, exist_ok=True)
     write_corpus(wdir / "corpus.jsonl", world.corpus)

@@ -42,4 +42,13 @@ def split_questions(questions: Sequence[T], heldout_fraction: float, seed: int =
     return ([q for i, q in enumerate(items) if i not in heldout], [q for i, q in enumerate(items) if i in heldout])
 
 
-__all__ = ["split_questions"]
+def hold_out(questions: Sequence[T], count: int, seed: int = 0) -> tuple[list[T], list[T]]:
+    """``split_questions`` by a held-out count rather than a fraction: ``(train, heldout)`` with
+    ``len(heldout) == count``."""
+    items = list(questions)
+    if not 0 <= count <= len(items):
+        raise ValueError(f"cannot hold out {count} of {len(items)} questions")
+    return split_questions(items, count / len(items) if items else 0.0, seed)
+
+
+__all__ = ["hold_out", "split_questions"]

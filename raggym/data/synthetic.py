@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 from raggym.atomic import atomic_directory
 
 from .loaders import write_jsonl, write_questions
+from .splits import hold_out
 from .types import Corpus, Passage, Question
 
 ENTITY_TYPES = ("person", "film", "company", "university", "city", "country")
@@ -622,16 +623,22 @@ def generate_world(seed: int = 0, **knobs) -> SyntheticWorld:
     return SyntheticWorld(WorldConfig(seed=seed, **knobs))
 
 
-def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_format: str = "jsonl", progress: bool = False) -> dict:
+def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_format: str = "jsonl", progress: bool = False,
+                heldout: int = 0) -> dict:
     """Stream a world to ``out_dir`` and return its statistics.
 
     Files: ``corpus.<fmt>`` (the loaders read it), ``openie.json`` (HippoRAG OpenIE format, gold
     triples aligned with corpus order), ``questions.jsonl``, ``tables.jsonl`` (when
-    ``attribute_kb='table'``) and ``world.json`` (config and statistics). Everything is written
-    into a temporary sibling directory that is renamed into place at the end.
+    ``attribute_kb='table'``) and ``world.json`` (config and statistics); with ``heldout`` > 0
+    also ``train_questions.jsonl`` and ``heldout_questions.jsonl``, the questions split by
+    ``raggym.data.splits.hold_out`` under the world's seed (the split the routing demo and study
+    train and evaluate on). Everything is written into a temporary sibling directory that is
+    renamed into place at the end.
     """
     if corpus_format not in ("jsonl", "json", "parquet"):
         raise ValueError(f"corpus_format must be jsonl, json or parquet, got {corpus_format!r}")
+    if not 0 <= heldout <= config.n_questions:
+        raise ValueError(f"heldout must be between 0 and the {config.n_questions} questions, got {heldout}")
     started = time.perf_counter()
     with atomic_directory(out_dir) as tmp:
         world = SyntheticWorld(config)
@@ -686,7 +693,13 @@ def write_world(config: WorldConfig, out_dir: str | os.PathLike, *, corpus_forma
             table_of = world.table_passage_for()
         questions = world._questions(fact_passage, table_of)
         write_questions(tmp / "questions.jsonl", questions)
+        if heldout:
+            train_questions, heldout_questions = hold_out(questions, heldout, config.seed)
+            write_questions(tmp / "train_questions.jsonl", train_questions)
+            write_questions(tmp / "heldout_questions.jsonl", heldout_questions)
         stats = _stats(config, world.entities, n_passages, n_triples, n_tables, questions)
+        if heldout:
+            stats["split"] = {"train": len(train_questions), "heldout": len(heldout_questions)}
         stats["seconds"] = round(time.perf_counter() - started, 3)
         (tmp / "world.json").write_text(json.dumps({"config": asdict(config), "stats": stats}, indent=2))
     return stats
