@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.studies.mode_gradients import gradient_alignment, mean_mode_gradient, mode_gradient_alignment
-from experiments.studies.routing import graph_preference
+from experiments.studies.routing import graph_preference, mode_logit, mode_logits, mode_slot_tokens
 
 
 def test_alignment_figures_by_hand():
@@ -85,6 +85,34 @@ def test_mode_logits_are_the_preference_the_evaluation_reads(tiny):
     _, logits = mean_mode_gradient(model, tokenizer, probes["direct"])
     preference = graph_preference(model, tokenizer, probes["direct"])
     assert [1 / (1 + math.exp(-z)) for z in logits] == pytest.approx(preference, abs=1e-6)
+
+
+def test_a_batch_of_prefixes_reads_what_each_prefix_reads_alone(tiny):
+    """``mode_logits`` pads prefixes of different lengths on the left into one forward pass: each
+    row's logit and its gradient equal those of the prefix alone (no padding). A row that sees
+    its padding fails this (positions counted from the padded start would not: RoPE's scores
+    depend on relative positions only)."""
+    model, tokenizer, probes = tiny
+    slot, continuations = mode_slot_tokens(tokenizer)
+    examples = probes["graph_only"] + probes["direct"]
+    assert len({len(ex["token_ids"]) for ex in examples}) > 1  # the rows really are padded
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def logits_and_gradient(read):
+        model.zero_grad(set_to_none=True)
+        z = read()
+        z.sum().backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in params])
+        model.zero_grad(set_to_none=True)
+        return z.detach(), grad
+
+    model.eval()
+    batched, batched_grad = logits_and_gradient(lambda: mode_logits(model, examples, slot, continuations))
+    alone, alone_grad = logits_and_gradient(lambda: torch.stack([mode_logit(model, ex, slot, continuations)
+                                                                   for ex in examples]))
+    assert batched.tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+    assert torch.allclose(batched_grad, alone_grad, atol=1e-5, rtol=1e-4)
+    assert len(set(alone.tolist())) == len(examples)  # four different questions, four different logits
 
 
 def test_mean_gradient_predicts_a_small_step_on_the_mode_logit(tiny):
@@ -161,11 +189,15 @@ def test_the_type_right_signal_splits_the_mode_slot(tiny):
     model, tokenizer, probes = tiny
     model = copy.deepcopy(model)  # the fixture's model stays untrained for the other tests
     start = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
-    records = list(supervised_split(model, tokenizer, probes, probes, steps=30, lr=3e-3, per_type=2))
+    records = list(supervised_split(model, tokenizer, probes, probes, steps=30, lr=3e-3, per_type=2, chunk=3))
     assert [r["step"] for r in records] == list(range(31))
+    assert [r["examples_seen"] for r in records] == [4 * step for step in range(31)]
     assert records[0]["p_graph"] == pytest.approx({k: sum(v) / len(v) for k, v in start.items()})
     assert records[0]["routing_accuracy"] == 0.5  # the random policy prefers the graph for all four
     gap = [r["p_graph"]["graph_only"] - r["p_graph"]["direct"] for r in records]
     assert records[-1]["routing_accuracy"] == 1.0 and gap[-1] > gap[0] + 0.5, gap
     with pytest.raises(ValueError, match="at least 1"):
         next(supervised_split(model, tokenizer, probes, probes, steps=0, lr=1e-3, per_type=2))
+    sparse = list(supervised_split(copy.deepcopy(model), tokenizer, probes, probes, steps=5, lr=1e-3, per_type=2,
+                                   measure_every=2))
+    assert [r["step"] for r in sparse] == [0, 2, 4, 5]  # every second step, and the last

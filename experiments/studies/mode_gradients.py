@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from experiments.evaluate import resolve_policy
-from experiments.studies.routing import (EVAL_KWARGS, build_task, graph_preference, mode_logit, mode_probes,
-                                         mode_slot_tokens)
+from experiments.studies.routing import (EVAL_KWARGS, build_task, graph_preference, mode_logit, mode_logits,
+                                         mode_probes, mode_slot_tokens)
 from raggym.models import load_policy, load_policy_tokenizer
 from raggym.retrieval import Retriever
 
@@ -113,13 +113,15 @@ def routing_accuracy(p_graph: dict[str, list[float]]) -> float:
 
 
 def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], heldout_probes: dict[str, list[dict]],
-                     steps: int, lr: float, per_type: int, seed: int = 0):
+                     steps: int, lr: float, per_type: int, seed: int = 0, measure_every: int = 1, chunk: int = 8):
     """``steps`` AdamW steps on −log σ(y·z) over ``per_type`` training prefixes of each type per
-    step (y = +1 for ``graph_only``, −1 for ``direct``; cycling through shuffled probes). Yields
-    one record per step as it is measured, step 0 the policy as given: the held-out mean p(graph)
-    per type and ``routing_accuracy``."""
-    if steps < 1 or per_type < 1:
-        raise ValueError("--split-steps and --split-batch must be at least 1")
+    step (y = +1 for ``graph_only``, −1 for ``direct``; cycling through probes shuffled by
+    ``seed``), the batch's gradient accumulated over forward passes of ``chunk`` prefixes. Yields
+    a record after every ``measure_every``-th step and the last, as it is measured, step 0 the
+    policy as given: the training examples seen so far, the held-out mean p(graph) per type and
+    ``routing_accuracy``."""
+    if steps < 1 or per_type < 1 or measure_every < 1 or chunk < 1:
+        raise ValueError("--split-steps, --split-batch, --measure-every and --chunk must be at least 1")
     slot, continuations = mode_slot_tokens(tokenizer)
     target = {REWARDED: 1.0, OTHER: -1.0}
     rng = random.Random(seed)
@@ -133,21 +135,26 @@ def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], held
             out.append(queues[kind].pop())
         return out
 
-    def measure(step: int) -> dict:
+    def measure(step: int, seen: int) -> dict:
         p = {kind: graph_preference(model, tokenizer, heldout_probes[kind]) for kind in target}
-        return {"step": step, "p_graph": {k: statistics.fmean(v) for k, v in p.items()},
+        return {"step": step, "examples_seen": seen, "p_graph": {k: statistics.fmean(v) for k, v in p.items()},
                 "routing_accuracy": routing_accuracy(p)}
 
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, weight_decay=0.01)
-    yield measure(0)
+    seen = 0
+    yield measure(0, seen)
     for step in range(1, steps + 1):
         model.train()
         optimizer.zero_grad(set_to_none=True)
         batch = [(ex, target[kind]) for kind in target for ex in next_examples(kind)]
-        for example, y in batch:  # −log σ(y·z) = softplus(−y·z), averaged over the batch
-            (F.softplus(-y * mode_logit(model, example, slot, continuations)) / len(batch)).backward()
+        for i in range(0, len(batch), chunk):  # −log σ(y·z) = softplus(−y·z), averaged over the batch
+            examples, y = zip(*batch[i:i + chunk])
+            z = mode_logits(model, list(examples), slot, continuations)
+            (F.softplus(-torch.tensor(y) * z).sum() / len(batch)).backward()
         optimizer.step()
-        yield measure(step)
+        seen += len(batch)
+        if step % measure_every == 0 or step == steps:
+            yield measure(step, seen)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-lr", type=float, default=2e-5, help="AdamW learning rate of --split-steps")
     p.add_argument("--split-batch", type=int, default=2, help="training prefixes per type in each --split-steps step")
     p.add_argument("--train-per-type", type=int, default=32, help="training questions per type --split-steps cycles through")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the order --split-steps visits the training questions in")
+    p.add_argument("--measure-every", type=int, default=1, help="read the held-out probes after every N-th --split-steps step")
+    p.add_argument("--chunk", type=int, default=8, help="training prefixes per forward pass (memory, not maths)")
     p.add_argument("policies", nargs="+", help="model spec, HF folder, checkpoint or run folder")
     return p
 
@@ -189,8 +199,11 @@ def main(argv=None) -> int:
         print(json.dumps({"policy": spec, **result, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
         if args.split_steps:
             for record in supervised_split(model, tokenizer, train_probes, probes, args.split_steps, args.split_lr,
-                                           args.split_batch):
-                print(json.dumps({"policy": spec, "split_lr": args.split_lr, **record}), flush=True)
+                                           args.split_batch, seed=args.split_seed, measure_every=args.measure_every,
+                                           chunk=args.chunk):
+                print(json.dumps({"policy": spec, "split_lr": args.split_lr, "split_batch": args.split_batch,
+                                  "split_seed": args.split_seed, **record,
+                                  "seconds": round(time.perf_counter() - started, 1)}), flush=True)
         del model
     return 0
 

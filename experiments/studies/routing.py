@@ -171,36 +171,64 @@ def typed_metrics(episodes: list[dict], kinds: dict[str, str]) -> dict:
 
 
 MODE_SLOT = "<search> ["  # RouteRAG's search tag; the mode name follows: "<search> [graph] ..."
+PREFERENCE_BATCH = 16  # golden prefixes read per forward pass (a few hundred tokens each)
 
 
 def mode_logit(model, example: dict, slot: list[int], continuations: list[list[int]]):
     """log p(graph) − log p(passage) at the golden ``example``'s first search's mode slot, as a
-    scalar tensor that keeps the autograd graph when gradients are enabled.
+    scalar tensor that keeps the autograd graph when gradients are enabled (``mode_logits`` of
+    one example)."""
+    return mode_logits(model, [example], slot, continuations)[0]
 
-    The example's own tokens (``golden_examples``: prompt, thought, ``<search> [``) are fed up to
-    the slot and the two ``continuations`` (the tokens of ``graph]`` and ``passage]``) are scored.
-    The slot is looked up in the model-written tokens only (the prompt's instructions show the
-    tag too)."""
-    import torch  # on use (see the imports)
 
+def _slot_end(example: dict, slot: list[int]) -> int:
+    """Index just past the first ``slot`` in ``example``'s model-written tokens (the prompt's
+    instructions show the tag too)."""
     ids, mask = example["token_ids"], example["loss_mask"]
     end = next((i + len(slot) for i in range(len(ids) - len(slot) + 1)
                 if mask[i] == 1 and ids[i:i + len(slot)] == slot), None)
     if end is None:
         raise ValueError(f"golden example {example.get('question_id')!r} has no {MODE_SLOT!r} in its model turns")
-    # The prefix (a few hundred tokens) is computed once; each continuation (a token or two) goes
-    # on from its KV cache, which is cropped back to the prefix after each one.
-    prefix = model(torch.tensor([ids[:end]]), use_cache=True)
-    cache = prefix.past_key_values
+    return end
+
+
+def mode_logits(model, examples: list[dict], slot: list[int], continuations: list[list[int]]):
+    """``[B]`` tensor: ``mode_logit`` of each of ``examples``, in one batched forward pass.
+
+    Each example's own tokens (``golden_examples``: prompt, thought, ``<search> [``) up to the
+    slot form one row, padded on the left so that every row's slot ends in the last column; the
+    position ids count real tokens only, so a row's logits are those it gets alone. The two
+    ``continuations`` (the tokens of ``graph]`` and ``passage]``, the same for every row) then go
+    on from the prefixes' KV cache, which is cropped back to the prefixes after each one."""
+    import torch  # on use (see the imports)
+
+    if not examples:
+        raise ValueError("no examples to read the mode logit of")
+    prefixes = [ex["token_ids"][:_slot_end(ex, slot)] for ex in examples]
+    width, device = max(len(p) for p in prefixes), next(model.parameters()).device
+    ids = torch.zeros((len(prefixes), width), dtype=torch.long)
+    attention = torch.zeros((len(prefixes), width), dtype=torch.long)
+    for row, prefix in enumerate(prefixes):
+        ids[row, width - len(prefix):] = torch.tensor(prefix)
+        attention[row, width - len(prefix):] = 1
+    ids, attention = ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    prefix = model(ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    cache, last = prefix.past_key_values, positions[:, -1:]
     logps = []
     for cont in continuations:
-        logits = prefix.logits[0, -1:].float()  # predicts cont[0]
+        logits = prefix.logits[:, -1:].float()  # [B, 1, V]: predicts cont[0]
         if len(cont) > 1:
-            more = model(torch.tensor([cont[:-1]]), past_key_values=cache, use_cache=True).logits[0].float()
-            logits = torch.cat([logits, more])
-            cache.crop(1 - len(cont))  # drop the continuation's tokens again
+            steps = len(cont) - 1
+            more = model(torch.tensor([cont[:-1]] * len(prefixes), device=device),
+                         attention_mask=torch.cat([attention, attention.new_ones((len(prefixes), steps))], -1),
+                         position_ids=last + torch.arange(1, steps + 1, device=device), past_key_values=cache,
+                         use_cache=True).logits.float()
+            logits = torch.cat([logits, more], 1)
+            cache.crop(width)  # drop the continuation's tokens again
         # log p(cont | prefix) = Σ_j log softmax(logits predicting cont_j)[cont_j]
-        logps.append(torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)].sum())
+        chosen = torch.tensor(cont, device=device).expand(len(prefixes), -1).unsqueeze(-1)
+        logps.append(torch.log_softmax(logits, -1).gather(-1, chosen).squeeze(-1).sum(-1))
     return logps[0] - logps[1]
 
 
@@ -220,8 +248,9 @@ def graph_preference(model, tokenizer, examples: list[dict]) -> list[float]:
     slot, continuations = mode_slot_tokens(tokenizer)
     model.eval()
     with torch.no_grad():
-        # p_g / (p_g + p_p) = sigmoid(log p_g − log p_p)
-        return [float(torch.sigmoid(mode_logit(model, ex, slot, continuations))) for ex in examples]
+        # p_g / (p_g + p_p) = sigmoid(log p_g − log p_p), PREFERENCE_BATCH examples per forward pass
+        return [float(p) for i in range(0, len(examples), PREFERENCE_BATCH)
+                for p in torch.sigmoid(mode_logits(model, examples[i:i + PREFERENCE_BATCH], slot, continuations))]
 
 
 def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_type: int = 16,
