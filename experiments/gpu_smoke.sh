@@ -65,7 +65,7 @@ def rollout(seed):
     return res, smoke_batch(prompts, res, tok.pad_token_id), time.perf_counter() - t
 
 def gap(batch):
-    return max_logprob_gap(group.compute_logprobs(batch["token_ids"], batch["attention_mask"]), batch)
+    return max_logprob_gap(group.compute_logprobs(batch.token_ids, batch.attention_mask), batch)
 
 res, batch, secs = rollout(0)
 report["generate"] = {"seconds": secs, "tokens": sum(len(r.token_ids) for r in res), "versions": sorted({r.weight_version for r in res})}

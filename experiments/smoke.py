@@ -22,5 +22,5 @@ def smoke_batch(prompts, results, pad_token_id: int):
 
 def max_logprob_gap(recomputed, batch) -> float:
     """max |log π_learner − log π_engine| over the trained tokens of ``batch``."""
-    mask = batch["loss_mask"].bool()
-    return float((recomputed - batch["old_logprobs"])[mask].abs().max())
+    mask = batch.loss_mask.bool()
+    return float((recomputed - batch.old_logprobs)[mask].abs().max())

@@ -11,6 +11,7 @@ against the rollout engine.
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -126,7 +127,7 @@ def stage_runs(batch, tiny_model):
 
 def with_teacher_fields(batch, prefix: int = 5):
     """Teacher inputs: row 0 sees exactly the student's sequence, the others 5 extra tokens first."""
-    ids, attn = batch["token_ids"], batch["attention_mask"]
+    ids, attn = batch.token_ids, batch.attention_mask
     n, t = ids.shape
     t_ids = torch.zeros((n, t + prefix), dtype=torch.long)
     t_attn = torch.zeros((n, t + prefix), dtype=torch.long)
@@ -139,15 +140,14 @@ def with_teacher_fields(batch, prefix: int = 5):
         t_ids[i, shift : shift + length] = ids[i, :length]
         t_attn[i, : shift + length] = 1
         positions[i, :length] = torch.arange(length) + shift
-    out = dict(batch)
-    out.update(
+    return replace(
+        batch,
         teacher_token_ids=t_ids,
         teacher_attention_mask=t_attn,
         teacher_positions=positions,
-        teacher_kl_mask=batch["loss_mask"].clone(),
+        teacher_kl_mask=batch.loss_mask.clone(),
         evidence_overlap=torch.tensor([0.0, 0.5, 0.05, 0.9]),  # rows 0 and 2 are below θ_P = 0.1
     )
-    return out
 
 
 def test_config_from_dict_rejects_unknown_keys_and_bad_batch_shapes():
@@ -214,12 +214,12 @@ def test_chunked_logits_keep_the_reference_kl_and_teacher_terms(stage_runs):
     cfg = config(zero_stage=1, micro_batch_size=2, logit_chunk_size=3,
                  loss={"kl_coef": 0.1, "teacher_kl": True, "teacher_top_k": 16})
     learner = Learner(cfg)
-    ids, attn = teacher_batch["token_ids"], teacher_batch["attention_mask"]
+    ids, attn = teacher_batch.token_ids, teacher_batch.attention_mask
     # the references never train: both learners' must agree, chunked or not
     torch.testing.assert_close(learner.compute_ref_logprobs(ids, attn), unchunked.compute_ref_logprobs(ids, attn), atol=1e-5, rtol=0)
     values, indices = learner.compute_teacher_topk(teacher_batch)
     want_values, want_indices = unchunked.compute_teacher_topk(teacher_batch)
-    covered = teacher_batch["teacher_positions"] > 0
+    covered = teacher_batch.teacher_positions > 0
     assert torch.equal(indices[covered], want_indices[covered])
     torch.testing.assert_close(values, want_values, atol=1e-5, rtol=0)
     before = snapshot(learner)
@@ -294,7 +294,7 @@ def test_an_update_changes_every_parameter_and_reports_metrics(stage_runs):
 def test_kl_reference_stays_frozen_and_teacher_terms_are_computed(stage_runs, batch):
     learner, first = stage_runs["learner"], stage_runs[1]["first"]
     assert first["kl_loss"] == pytest.approx(0.0, abs=1e-8)  # π_θ = π_ref before any step
-    ids, attn, mask = batch["token_ids"], batch["attention_mask"], batch["loss_mask"].bool()
+    ids, attn, mask = batch.token_ids, batch.attention_mask, batch.loss_mask.bool()
     ref = learner.compute_ref_logprobs(ids, attn)
     now = learner.compute_logprobs(ids, attn)
     assert (now - ref)[mask].abs().max() > 1e-4  # the policy moved, the reference did not:
@@ -308,12 +308,12 @@ def test_teacher_logits_are_aligned_to_student_tokens(stage_runs):
     learner, tb = stage_runs["learner"], stage_runs["teacher_batch"]
     values, indices = learner.compute_teacher_topk(tb)
     for row in (0, 2):  # row 0: same sequence; row 2: five evidence tokens first
-        length = int(tb["attention_mask"][row].sum())
-        t_len = int(tb["teacher_attention_mask"][row].sum())
+        length = int(tb.attention_mask[row].sum())
+        t_len = int(tb.teacher_attention_mask[row].sum())
         with torch.no_grad():
-            logits = learner.reference(input_ids=tb["teacher_token_ids"][row : row + 1, :t_len]).logits[0]
+            logits = learner.reference(input_ids=tb.teacher_token_ids[row : row + 1, :t_len]).logits[0]
         for t in (1, length // 2, length - 1):  # student token t is teacher token positions[t]
-            src = int(tb["teacher_positions"][row, t]) - 1
+            src = int(tb.teacher_positions[row, t]) - 1
             expected = torch.topk(logits[src], 16)
             torch.testing.assert_close(values[row, t], expected.values, atol=1e-4, rtol=0)
             assert torch.equal(indices[row, t], expected.indices)
@@ -321,28 +321,28 @@ def test_teacher_logits_are_aligned_to_student_tokens(stage_runs):
 
 def test_compute_logprobs_matches_a_manual_forward_pass(stage_runs, batch):
     learner = stage_runs["learner"]
-    lp = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    lp = learner.compute_logprobs(batch.token_ids, batch.attention_mask)
     with torch.no_grad():
-        logits = learner.module(input_ids=batch["token_ids"][:1, : LENGTHS[0]]).logits
-    manual = torch.log_softmax(logits[0, :-1], -1).gather(-1, batch["token_ids"][0, 1 : LENGTHS[0], None]).squeeze(-1)
+        logits = learner.module(input_ids=batch.token_ids[:1, : LENGTHS[0]]).logits
+    manual = torch.log_softmax(logits[0, :-1], -1).gather(-1, batch.token_ids[0, 1 : LENGTHS[0], None]).squeeze(-1)
     torch.testing.assert_close(lp[0, 1 : LENGTHS[0]], manual, atol=1e-4, rtol=0)
     assert lp[0, 0] == 0 and torch.all(lp[1, LENGTHS[1] :] == 0)  # nothing predicts token 0; padding is 0
     # temperature scales the logits before the softmax
     learner.config.temperature = 0.5
     try:
-        hot = learner.compute_logprobs(batch["token_ids"][:1], batch["attention_mask"][:1])
+        hot = learner.compute_logprobs(batch.token_ids[:1], batch.attention_mask[:1])
     finally:
         learner.config.temperature = 1.0
-    expected = token_logprobs(logits / 0.5, batch["token_ids"][:1, : LENGTHS[0]])
+    expected = token_logprobs(logits / 0.5, batch.token_ids[:1, : LENGTHS[0]])
     torch.testing.assert_close(hot[0, : LENGTHS[0]], expected[0], atol=1e-4, rtol=0)
 
 
 def test_batch_sizes_are_validated(stage_runs, batch):
     learner, full = stage_runs["learner"], stage_runs["teacher_batch"]
     with pytest.raises(ValueError, match="multiple"):
-        learner.update({k: v[:3] for k, v in full.items()})
-    with pytest.raises(KeyError):
-        learner.update({k: v for k, v in full.items() if k != "advantages"})
+        learner.update(full.rows(slice(0, 3)))
+    with pytest.raises(TypeError, match="advantages"):  # refused as the batch is made, before any update
+        learner.update(replace(full, advantages=None))
     with pytest.raises(KeyError, match="teacher"):
         learner.update(batch)  # teacher KL is on but the batch has no teacher inputs
 
@@ -419,7 +419,7 @@ def _direction_config(tiny_model, lr: float) -> dict:
 
 def test_pg_loss_at_ratio_one_is_minus_the_token_weighted_advantage(tiny_model, batch):
     learner = Learner(_direction_config(tiny_model, 1e-5))
-    metrics = learner.update(dict(batch))
+    metrics = learner.update(replace(batch))
     # ratio 1 on the first mini-batch: L = −Σ_i A_i·n_i / Σ_i n_i with n_i trained tokens per row
     n = [length - PROMPT for length in LENGTHS]
     advantages = [1.0, -1.0, 0.5, -0.25]
@@ -430,13 +430,13 @@ def test_pg_loss_at_ratio_one_is_minus_the_token_weighted_advantage(tiny_model, 
 
 def test_one_update_raises_logprobs_where_the_advantage_is_positive(tiny_model, batch):
     learner = Learner(_direction_config(tiny_model, 1e-3))
-    before = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-    learner.update(dict(batch))
-    after = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-    mask = batch["loss_mask"].bool()
+    before = learner.compute_logprobs(batch.token_ids, batch.attention_mask)
+    learner.update(replace(batch))
+    after = learner.compute_logprobs(batch.token_ids, batch.attention_mask)
+    mask = batch.loss_mask.bool()
     change = [float((after[i] - before[i])[mask[i]].mean()) for i in range(len(LENGTHS))]
     signs = [c > 0 for c in change]
-    assert signs == [a > 0 for a in batch["advantages"].tolist()], change
+    assert signs == [a > 0 for a in batch.advantages.tolist()], change
     del learner
     gc.collect()
 
@@ -447,19 +447,19 @@ def test_a_learner_step_equals_a_plain_torch_step(tiny_model, batch):
 
     lr = 1e-3
     learner = Learner(_direction_config(tiny_model, lr))
-    learner.update(dict(batch))
+    learner.update(replace(batch))
     trained = dict(learner.hf_named_parameters())
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    logits = model(input_ids=batch["token_ids"], attention_mask=batch["attention_mask"]).logits.float()
-    logprobs = token_logprobs(logits, batch["token_ids"])
-    mask = batch["loss_mask"].clone()
+    logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask).logits.float()
+    logprobs = token_logprobs(logits, batch.token_ids)
+    mask = batch.loss_mask.clone()
     mask[:, 0] = 0
     ratio = torch.exp(logprobs - logprobs.detach())  # 1, with the gradient of log π
-    loss = -(batch["advantages"][:, None] * ratio * mask).sum() / mask.sum()
+    loss = -(batch.advantages[:, None] * ratio * mask).sum() / mask.sum()
     loss.backward()
     opt.step()
     reference = dict(model.named_parameters())
@@ -502,7 +502,7 @@ def speed_config(tiny_model, **overrides) -> dict:
 
 def run_update(cfg: dict, batch) -> tuple[dict, dict]:
     learner = Learner(cfg)
-    metrics = learner.update(dict(batch))
+    metrics = learner.update(replace(batch))
     weights = dict(learner.hf_named_parameters())
     del learner
     gc.collect()
@@ -520,7 +520,7 @@ def assert_same_step(a: tuple[dict, dict], b: tuple[dict, dict], keys=("pg_loss"
 def test_prompt_sharing_and_pi_old_from_the_update_forward_leave_the_step_unchanged(tiny_model):
     batch = grouped_batch()
     g = torch.Generator().manual_seed(4)
-    batch["ref_logprobs"] = batch["loss_mask"] * (torch.randn(batch["loss_mask"].shape, generator=g) * 0.3 - 9.0)
+    batch.ref_logprobs = batch.loss_mask * (torch.randn(batch.loss_mask.shape, generator=g) * 0.3 - 9.0)
     plain = run_update(speed_config(tiny_model, share_prompts=False, old_logprobs="recompute"), batch)
     fast = run_update(speed_config(tiny_model), batch)
     assert_same_step(plain, fast)
@@ -537,14 +537,14 @@ def test_rollout_logprobs_stand_in_for_pi_old_only_while_the_drift_is_small(tiny
     batch = grouped_batch()
     exact = run_update(speed_config(tiny_model, ppo_epochs=2, share_prompts=False, old_logprobs="recompute"), batch)
     probe = Learner(speed_config(tiny_model))
-    at_rollout = probe.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    at_rollout = probe.compute_logprobs(batch.token_ids, batch.attention_mask)
     del probe
     gc.collect()
-    mask = batch["loss_mask"] > 0
-    same = run_update(speed_config(tiny_model, ppo_epochs=2), {**batch, "sampled_logprobs": at_rollout})
+    mask = batch.loss_mask > 0
+    same = run_update(speed_config(tiny_model, ppo_epochs=2), replace(batch, sampled_logprobs=at_rollout))
     assert_same_step(exact, same)
     assert same[0]["old_logprobs_recomputed"] == 0.0 and same[0]["logprob_drift_max"] < 1e-4
-    off = run_update(speed_config(tiny_model, ppo_epochs=2), {**batch, "sampled_logprobs": at_rollout + 0.5 * mask})
+    off = run_update(speed_config(tiny_model, ppo_epochs=2), replace(batch, sampled_logprobs=at_rollout + 0.5 * mask))
     assert off[0]["old_logprobs_recomputed"] == 1.0 and off[0]["logprob_drift_mean"] == pytest.approx(0.5, abs=1e-4)
     assert_same_step(exact, off)
 
@@ -562,13 +562,13 @@ def test_teacher_kl_is_the_mean_over_the_batchs_evidence_poor_trajectories(tiny_
     from raggym.algorithms.losses import teacher_topk, topk_forward_kl
 
     tb = with_teacher_fields(batch)
-    tb["advantages"] = torch.zeros(4)  # the teacher term alone moves the weights
-    tb["evidence_overlap"] = torch.tensor([0.5, 0.5, 0.05, 0.9])  # one evidence-poor row of four (rare)
+    tb.advantages = torch.zeros(4)  # the teacher term alone moves the weights
+    tb.evidence_overlap = torch.tensor([0.5, 0.5, 0.05, 0.9])  # one evidence-poor row of four (rare)
     lam = 0.5  # step 20 ≥ W: λ = λ̄
     runs = {}
     for micro in (1, 2, 4):
         learner = Learner(teacher_only_config(tiny_model, micro))
-        runs[micro] = learner.update(dict(tb), step=20), dict(learner.hf_named_parameters())
+        runs[micro] = learner.update(replace(tb), step=20), dict(learner.hf_named_parameters())
         del learner
         gc.collect()
     for micro in (2, 4):  # micro 1 is GA 4: the old per-micro-batch mean weighted it by 1/4
@@ -580,17 +580,17 @@ def test_teacher_kl_is_the_mean_over_the_batchs_evidence_poor_trajectories(tiny_
     model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1.0, eps=1.0, weight_decay=0.0)
-    student = model(input_ids=tb["token_ids"], attention_mask=tb["attention_mask"]).logits
+    student = model(input_ids=tb.token_ids, attention_mask=tb.attention_mask).logits
     student = torch.nn.functional.pad(student[:, :-1], (0, 0, 1, 0))  # logits that predict token t
-    t_logits = teacher(input_ids=tb["teacher_token_ids"], attention_mask=tb["teacher_attention_mask"]).logits
-    src = (tb["teacher_positions"] - 1).clamp(min=0)
+    t_logits = teacher(input_ids=tb.teacher_token_ids, attention_mask=tb.teacher_attention_mask).logits
+    src = (tb.teacher_positions - 1).clamp(min=0)
     values, indices = teacher_topk(t_logits.gather(1, src[..., None].expand(-1, -1, t_logits.shape[-1])), 16)
     per_pos = topk_forward_kl(student, values, indices)
-    mask = tb["loss_mask"].clone()
+    mask = tb.loss_mask.clone()
     mask[:, 0] = 0
-    span = tb["teacher_kl_mask"] * (tb["teacher_positions"] > 0) * mask
+    span = tb.teacher_kl_mask * (tb.teacher_positions > 0) * mask
     per_traj = (per_pos * span).sum(-1) / span.sum(-1)
-    poor = tb["evidence_overlap"] < 0.1
+    poor = tb.evidence_overlap < 0.1
     loss = lam * per_traj[poor].mean()
     assert float(per_traj[poor].mean().detach()) == pytest.approx(metrics["teacher_kl"], rel=1e-4)
     loss.backward()
@@ -634,20 +634,20 @@ def _choice_entropies(model_path: str, batch, marks) -> list[float]:
 
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
     with torch.no_grad():
-        logits = model(input_ids=batch["token_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask).logits.float()
     entropy = entropy_from_logits(logits)  # entry t − 1 is the distribution token t was drawn from
     return [float(entropy[row, t - 1]) for row, t in marks]
 
 
 def test_mode_entropy_bonus_is_the_choices_entropy_over_the_trained_tokens(tiny_model, batch, tmp_path):
     marks = [(0, PROMPT + 2), (1, PROMPT + 5), (2, PROMPT + 2)]  # row 3 chose no mode
-    b = dict(batch, advantages=torch.zeros(len(LENGTHS)), mode_choice_mask=torch.zeros_like(batch["loss_mask"]))
+    b = replace(batch, advantages=torch.zeros(len(LENGTHS)), mode_choice_mask=torch.zeros_like(batch.loss_mask))
     for row, t in marks:
-        b["mode_choice_mask"][row, t] = 1.0
+        b.mode_choice_mask[row, t] = 1.0
     before = _choice_entropies(tiny_model, b, marks)
     coef = 0.5
     learner = Learner({**_direction_config(tiny_model, 1e-3), "loss": {"clip_low": 0.2, "mode_entropy_coef": coef}})
-    metrics = learner.update(dict(b))
+    metrics = learner.update(replace(b))
     trained = sum(length - PROMPT for length in LENGTHS)  # token-mean: every trained token counts
     # L = PG − c_M · Σ_choices H / Σ_trained 1, with PG = 0 (zero advantages)
     assert metrics["pg_loss"] == pytest.approx(0.0, abs=1e-7)
@@ -659,6 +659,6 @@ def test_mode_entropy_bonus_is_the_choices_entropy_over_the_trained_tokens(tiny_
     after = _choice_entropies(str(tmp_path / "policy"), b, marks)
     assert sum(after) > sum(before) + 1e-3, (before, after)  # the bonus spreads the choices out
     with pytest.raises(KeyError, match="mode_choice_mask"):
-        learner.update({k: v for k, v in b.items() if k != "mode_choice_mask"})
+        learner.update(replace(b, mode_choice_mask=None))
     del learner
     gc.collect()

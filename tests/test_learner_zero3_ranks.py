@@ -72,7 +72,7 @@ def test_ranks_with_different_pass_and_chunk_counts_take_one_learners_step(tiny_
     from actors.weight_sync import pick_free_port
 
     shards = shard_batch(_batch(), 2)
-    passes = [len(micro_pieces(s["attention_mask"].sum(-1).tolist(), 2, BUDGET)) for s in shards]
+    passes = [len(micro_pieces(s.attention_mask.sum(-1).tolist(), 2, BUDGET)) for s in shards]
     assert passes == [2, 1]  # the situation under test: the ranks disagree
 
     ctx = mp.get_context("spawn")

@@ -78,9 +78,9 @@ def test_filler_rows_carry_no_mode_choice(tokenizer):
     fields = mode_choice_fields(rollouts)
     assert fields["mode_choice_mask"].sum(-1).tolist() == [1.0, 1.0, 0.0]
     batch, fillers = assemble_batch(rollouts, [1.0, -1.0, 0.0], pad_token_id=0, multiple=4, extra=fields)
-    assert fillers == 1 and batch["mode_choice_mask"][3].sum() == 0 and batch["loss_mask"][3].sum() == 0
+    assert fillers == 1 and batch.mode_choice_mask[3].sum() == 0 and batch.loss_mask[3].sum() == 0
     # a marked token is always one the loss trains on
-    assert bool(((batch["mode_choice_mask"] > 0) <= (batch["loss_mask"] > 0)).all())
+    assert bool(((batch.mode_choice_mask > 0) <= (batch.loss_mask > 0)).all())
 
 
 def test_the_recorded_positions_count_the_prompt_turns_and_observations_before_them(tokenizer):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from actors.learner import Learner, LearnerConfig, make_train_batch
 from experiments.config import ConfigError, load_config
+from raggym.algorithms.batch import TrainBatch
 from raggym.algorithms.losses import aggregate_loss
 from raggym.algorithms.policy_loss import (
     POLICY_LOSS_TERMS,
@@ -37,6 +39,12 @@ def _inputs(**fields) -> PolicyLossInputs:
     zeros = torch.zeros_like(mask)
     base = dict(log_probs=zeros, old_log_probs=zeros, advantages=zeros, mask=mask, entropy=zeros)
     return PolicyLossInputs(**{**base, **fields})
+
+
+def _batch(loss_mask: torch.Tensor, **fields) -> TrainBatch:
+    """A ``TrainBatch`` of hand-made fields; the token ids, attention mask and advantages no term here reads."""
+    return TrainBatch(token_ids=torch.zeros(loss_mask.shape, dtype=torch.long), attention_mask=torch.ones_like(loss_mask),
+                      loss_mask=loss_mask, advantages=torch.zeros(loss_mask.shape[0]), **fields)
 
 
 def _term(name: str, inputs: PolicyLossInputs, **config) -> LossTerm:
@@ -103,7 +111,8 @@ def test_entropy_term_by_hand():
 def test_mode_entropy_term_by_hand():
     inputs = _inputs(entropy=torch.tensor([[1.0, 2.0, 4.0], [3.0, 5.0, 6.0]], dtype=torch.float64),
                      mask=torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]),
-                     batch={"mode_choice_mask": torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 1.0]])})
+                     batch=_batch(torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]),
+                                  mode_choice_mask=torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 1.0]])))
     out = _term("mode_entropy", inputs, mode_entropy_coef=0.5)
     # choices that are trained: (0, 2) with H = 4 and (1, 1) with H = 5 ((1, 2) is not trained);
     # H_mode = (4 + 5) / 3 trained tokens = 3, every other trained token counting 0; loss −0.5 · 3
@@ -115,19 +124,19 @@ def test_mode_entropy_term_by_hand():
     assert summary == {"mode_entropy": 4.5, "mode_choices": 1.0}
 
 
-def _teacher_batch() -> dict[str, torch.Tensor]:
-    return {
-        "loss_mask": torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]]),
-        "teacher_kl_mask": torch.tensor([[0.0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 1, 1]]),  # think/query tokens
-        "teacher_positions": torch.tensor([[-1, 3, 4, 5], [-1, 0, 2, 3], [-1, 3, 4, 5]]),  # row 1, t = 1: no counterpart
-        "evidence_overlap": torch.tensor([0.05, 0.02, 0.5]),  # rows 0 and 1 below θ_P = 0.1
-    }
+def _teacher_batch() -> TrainBatch:
+    return _batch(
+        loss_mask=torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]]),
+        teacher_kl_mask=torch.tensor([[0.0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 1, 1]]),  # think/query tokens
+        teacher_positions=torch.tensor([[-1, 3, 4, 5], [-1, 0, 2, 3], [-1, 3, 4, 5]]),  # row 1, t = 1: no counterpart
+        evidence_overlap=torch.tensor([0.05, 0.02, 0.5]),  # rows 0 and 1 below θ_P = 0.1
+    )
 
 
 def test_teacher_kl_term_by_hand():
     batch = _teacher_batch()
     per_position = torch.tensor([[9.0, 1.0, 3.0, 7.0], [0.0, 5.0, 2.0, 4.0], [8.0, 8.0, 8.0, 8.0]], dtype=torch.float64)
-    inputs = _inputs(teacher_kl=per_position, mask=batch["loss_mask"].clone(), batch=batch, step=10)
+    inputs = _inputs(teacher_kl=per_position, mask=batch.loss_mask.clone(), batch=batch, step=10)
     out = _term("teacher_kl", inputs, teacher_max_weight=0.1, teacher_warmup_steps=20)
     # KL_0 = (1 + 3) / 2 = 2 (t = 1, 2); KL_1 = (2 + 4) / 2 = 3 (t = 2, 3); row 2 has EO ≥ θ_P
     # mean over I_low = 2.5; λ = 0.1 · min(1, 10 / 20) = 0.05; loss 0.125
@@ -140,7 +149,7 @@ def test_teacher_kl_term_by_hand():
 
 
 def test_the_aggregation_normaliser_by_hand():
-    batch = {"loss_mask": torch.tensor([[1.0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 1, 1]])}
+    batch = _batch(torch.tensor([[1.0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 1, 1]]))
     # position 0 never trains: tokens 2 + 0 + 2 = 4; sequences with any trained token: 2
     assert float(trained_units(batch, PolicyLossConfig())) == 4.0
     assert float(trained_units(batch, PolicyLossConfig(aggregation="seq-mean-token-mean"))) == 2.0
@@ -166,7 +175,7 @@ def test_the_config_keys_choose_the_terms_as_before():
 
 def test_terms_named_in_the_config_compose_group_by_group():
     batch = _teacher_batch()
-    mask = batch["loss_mask"].clone()
+    mask = batch.loss_mask.clone()
     mask[:, 0] = 0
     inputs = _inputs(log_probs=torch.zeros(3, 4, dtype=torch.float64), advantages=torch.tensor([1.0, -1.0, 2.0]),
                      entropy=torch.full((3, 4), 2.0, dtype=torch.float64), mask=mask, batch=batch, step=20,
@@ -241,7 +250,7 @@ def test_a_registered_term_is_what_the_learner_trains_with(likelihood_term, tiny
     lengths = (14, 9, 12, 7)
     batch = make_train_batch([torch.randint(100, 20000, (n,), generator=g).tolist() for n in lengths],
                              [[0] * 4 + [1] * (n - 4) for n in lengths], [0.0, 0.0, 0.0, 0.0])
-    trained = batch["loss_mask"].clone()
+    trained = batch.loss_mask.clone()
     trained[:, 0] = 0
     config = {"model": tiny_random_policy, "zero_stage": 0, "micro_batch_size": 1, "mini_batch_size": 4, "shuffle": False,
               "optimizer": {"lr": 1e-2, "weight_decay": 0.0}, "grad_clip": 1e6,
@@ -249,9 +258,9 @@ def test_a_registered_term_is_what_the_learner_trains_with(likelihood_term, tiny
               "loss": {"terms": [f"{__name__}:likelihood"], "term_options": {"likelihood": {"coef": 2.0}}}}
     learner = Learner(config)
     assert [t.name for t in learner.policy_loss.terms] == ["likelihood"] and learner.reference is None
-    before = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
-    metrics = learner.update(dict(batch))
-    after = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    before = learner.compute_logprobs(batch.token_ids, batch.attention_mask)
+    metrics = learner.update(replace(batch))
+    after = learner.compute_logprobs(batch.token_ids, batch.attention_mask)
     del learner
     gc.collect()
     assert len(SEEN) == 4 and all(i.log_probs.requires_grad for i in SEEN)  # one call per micro-batch

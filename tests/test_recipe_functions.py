@@ -169,31 +169,31 @@ def test_assemble_batch_pads_teacher_fields_with_inert_filler_rows(tokenizer):
     extra = teacher_fields([_with_teacher_prompt(tokenizer, r, 8) for r in rollouts], tokenizer.pad_token_id)
     batch, fillers = assemble_batch(rollouts, [0.75, -0.75, 0.0], pad_token_id=0, multiple=4, extra=extra)
     assert fillers == 1
-    assert {k: tuple(v.shape) for k, v in batch.items()} == {
+    assert {k: tuple(v.shape) for k, v in batch.tensors().items()} == {
         "token_ids": (4, 5), "attention_mask": (4, 5), "loss_mask": (4, 5), "advantages": (4,),
         "sampled_logprobs": (4, 5), "teacher_token_ids": (4, extra["teacher_token_ids"].shape[1]),
         "teacher_attention_mask": (4, extra["teacher_attention_mask"].shape[1]), "teacher_positions": (4, 5),
         "teacher_kl_mask": (4, 5), "evidence_overlap": (4,)}
-    assert batch["token_ids"].tolist()[:3] == [[11, 12, 501, 502, 503], [11, 12, 504, 505, 0], [13, 506, 0, 0, 0]]
-    assert batch["loss_mask"].tolist()[:3] == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]
-    assert batch["teacher_kl_mask"].tolist()[:3] == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0]]
-    assert batch["advantages"].tolist() == [0.75, -0.75, 0.0, 0.0]
+    assert batch.token_ids.tolist()[:3] == [[11, 12, 501, 502, 503], [11, 12, 504, 505, 0], [13, 506, 0, 0, 0]]
+    assert batch.loss_mask.tolist()[:3] == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]
+    assert batch.teacher_kl_mask.tolist()[:3] == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0]]
+    assert batch.advantages.tolist() == [0.75, -0.75, 0.0, 0.0]
     # The filler is row 0 with everything a loss term or a count reads zeroed.
-    assert batch["token_ids"][3].tolist() == batch["token_ids"][0].tolist()
-    assert batch["teacher_positions"][3].tolist() == batch["teacher_positions"][0].tolist()
-    assert batch["loss_mask"][3].sum() == 0 and batch["teacher_kl_mask"][3].sum() == 0
+    assert batch.token_ids[3].tolist() == batch.token_ids[0].tolist()
+    assert batch.teacher_positions[3].tolist() == batch.teacher_positions[0].tolist()
+    assert batch.loss_mask[3].sum() == 0 and batch.teacher_kl_mask[3].sum() == 0
     # A batch that already fills its mini-batches gets no filler.
     same, none = assemble_batch(rollouts, [0.75, -0.75, 0.0], pad_token_id=0, multiple=3, extra=extra)
-    assert none == 0 and same["token_ids"].shape[0] == 3
+    assert none == 0 and same.token_ids.shape[0] == 3
 
 
 def test_make_train_batch_pads_token_level_advantages_and_checks_lengths():
     batch = make_train_batch([[1, 2, 3], [4, 5]], [[0, 1, 1], [0, 1]], [[0.0, 0.5, -0.5], [0.0, 2.0]], pad_token_id=9,
                              old_logprobs=[[0.0, -1.0, -2.0], [0.0, -3.0]])
-    assert batch["token_ids"].tolist() == [[1, 2, 3], [4, 5, 9]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
-    assert batch["advantages"].tolist() == [[0.0, 0.5, -0.5], [0.0, 2.0, 0.0]]
-    assert batch["old_logprobs"].tolist() == [[0.0, -1.0, -2.0], [0.0, -3.0, 0.0]]
+    assert batch.token_ids.tolist() == [[1, 2, 3], [4, 5, 9]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch.advantages.tolist() == [[0.0, 0.5, -0.5], [0.0, 2.0, 0.0]]
+    assert batch.old_logprobs.tolist() == [[0.0, -1.0, -2.0], [0.0, -3.0, 0.0]]
     with pytest.raises(ValueError, match="one entry per sequence"):
         make_train_batch([[1, 2]], [[0, 1]], [1.0, 2.0])
     with pytest.raises(ValueError, match="sequence 0: 2 tokens but 3 loss-mask entries"):

@@ -4,11 +4,13 @@ requests, outcome round trips, evaluation records, step metrics."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from raggym.algorithms.batch import assemble_batch
+from raggym.algorithms.batch import assemble_batch, make_train_batch
+from raggym.algorithms.policy_loss import register_policy_loss_term
 from raggym.rewards import EpisodeOutcome
 from raggym.trajectory import Rollout
 
@@ -43,11 +45,47 @@ def test_assemble_batch_pads_with_inert_rows_and_carries_sampled_logprobs():
                 _rollout([5, 6], [0, 1], [0.0, -0.3], sample=1),
                 _rollout([5, 8, 9, 4], [0, 1, 0, 1], [0.0, -0.4, 0.0, -0.5], sample=2)]
     batch, fillers = assemble_batch(rollouts, [1.0, -1.0, 0.5], pad_token_id=0, multiple=2)
-    assert fillers == 1 and batch["token_ids"].shape == (4, 4)
-    assert batch["sampled_logprobs"][2].tolist() == pytest.approx([0.0, -0.4, 0.0, -0.5])
-    assert batch["sampled_logprobs"][1].tolist() == pytest.approx([0.0, -0.3, 0.0, 0.0])
-    assert batch["loss_mask"][3].sum() == 0 and batch["advantages"][3] == 0  # the filler trains nothing
-    assert batch["advantages"][:3].tolist() == [1.0, -1.0, 0.5]
+    assert fillers == 1 and batch.token_ids.shape == (4, 4)
+    assert batch.sampled_logprobs[2].tolist() == pytest.approx([0.0, -0.4, 0.0, -0.5])
+    assert batch.sampled_logprobs[1].tolist() == pytest.approx([0.0, -0.3, 0.0, 0.0])
+    assert batch.loss_mask[3].sum() == 0 and batch.advantages[3] == 0  # the filler trains nothing
+    assert batch.advantages[:3].tolist() == [1.0, -1.0, 0.5]
+
+
+def test_a_train_batch_checks_its_fields_slices_them_and_pads_with_inert_rows():
+    batch = make_train_batch([[1, 2, 3], [4, 5], [6]], [[0, 1, 1], [0, 1], [0]], [1.0, -1.0, 0.5])
+    # a field of another row count or length is named at construction, and so is an unset required one
+    with pytest.raises(ValueError, match=r"TrainBatch.old_logprobs has 2 rows, token_ids 3"):
+        replace(batch, old_logprobs=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"TrainBatch.mode_choice_mask has shape \(3, 4\)"):
+        replace(batch, mode_choice_mask=torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="TrainBatch.evidence_overlap has 2 rows"):
+        replace(batch, evidence_overlap=torch.zeros(2))
+    with pytest.raises(TypeError, match="TrainBatch.loss_mask must be a tensor"):
+        replace(batch, loss_mask=None)
+    # extra fields by name: an unknown one raises, here and for a loss term that would read it
+    with pytest.raises(TypeError, match="mode_choice_masks"):
+        assemble_batch([_rollout([5, 6], [0, 1], [0.0, -0.3])], [1.0], pad_token_id=0, multiple=1,
+                       extra={"mode_choice_masks": torch.zeros(1, 2)})
+    with pytest.raises(ValueError, match="reads batch fields \\['mode_mask'\\]"):
+        register_policy_loss_term("reads_a_typo", batch_keys=("mode_mask",))
+    # rows(): every set field sliced alike, the unset ones stay unset
+    full = replace(batch, sampled_logprobs=torch.arange(9.0).reshape(3, 3), evidence_overlap=torch.tensor([0.1, 0.2, 0.3]))
+    picked = full.rows(torch.tensor([2, 0]))
+    assert picked.num_rows == 2 and set(picked.tensors()) == set(full.tensors())
+    for name, value in full.tensors().items():
+        assert torch.equal(getattr(picked, name), value[[2, 0]]), name
+    assert picked.old_logprobs is None and picked.mode_choice_mask is None and picked.teacher_positions is None
+    # filler rows: copies of row 0 with every mask and advantage a loss or a count reads zeroed
+    marked = replace(full, mode_choice_mask=torch.ones(3, 3), teacher_kl_mask=torch.ones(3, 3))
+    padded = marked.with_filler_rows(2)
+    assert padded.num_rows == 5 and marked.with_filler_rows(0) is marked
+    for name in ("token_ids", "attention_mask", "sampled_logprobs", "evidence_overlap"):
+        assert torch.equal(getattr(padded, name)[3:], getattr(marked, name)[:1].expand_as(getattr(padded, name)[3:])), name
+    for name in ("loss_mask", "advantages", "mode_choice_mask", "teacher_kl_mask"):
+        assert not getattr(padded, name)[3:].any(), name
+        assert torch.equal(getattr(padded, name)[:3], getattr(marked, name)), name
+    assert marked.mode_choice_mask.sum() == 9  # the batch padded is left as it was
 
 
 def test_episode_requests_share_the_prompt_id_within_a_group():

@@ -155,13 +155,13 @@ def rollout(cluster, prompts, seed: int, worker: int = 0):
 
 
 def max_logprob_gap(learner_lp: torch.Tensor, batch) -> float:
-    mask = batch["loss_mask"].bool()
-    return float((learner_lp - batch["old_logprobs"])[mask].abs().max())
+    mask = batch.loss_mask.bool()
+    return float((learner_lp - batch.old_logprobs)[mask].abs().max())
 
 
 def mean_logprob_gap(learner_lp: torch.Tensor, batch) -> float:
-    mask = batch["loss_mask"].bool()
-    return float((learner_lp - batch["old_logprobs"])[mask].abs().mean())
+    mask = batch.loss_mask.bool()
+    return float((learner_lp - batch.old_logprobs)[mask].abs().mean())
 
 
 def assert_every_worker_samples_the_learners_policy(cluster, prompts, seed: int, version: int) -> None:
@@ -169,7 +169,7 @@ def assert_every_worker_samples_the_learners_policy(cluster, prompts, seed: int,
     for i in range(len(cluster["workers"])):
         results, batch = rollout(cluster, prompts, seed, worker=i)
         assert {r.weight_version for r in results} == {version}
-        fresh = group.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+        fresh = group.compute_logprobs(batch.token_ids, batch.attention_mask)
         assert max_logprob_gap(fresh, batch) < 1e-3 and mean_logprob_gap(fresh, batch) < 1e-4, i
 
 
@@ -214,7 +214,7 @@ def test_two_learners_take_the_same_step_as_one_learner_on_the_whole_batch(first
 def test_object_store_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update):
     group, workers, ray = cluster["group"], cluster["workers"], cluster["ray"]
     # Before the sync the workers still sample from version 0, which the learners have left.
-    stale = group.compute_logprobs(first_update["batch"]["token_ids"], first_update["batch"]["attention_mask"])
+    stale = group.compute_logprobs(first_update["batch"].token_ids, first_update["batch"].attention_mask)
     assert max_logprob_gap(stale, first_update["batch"]) > 1e-2
     report = group.sync_weights(workers)
     assert report["weight_version"] == 1.0 and report["sync_seconds"] > 0

@@ -1,7 +1,7 @@
 """Cutting a ``TrainBatch`` up: shards for the ranks, forward passes within a budget, log-probs of logits.
 
-Pure tensor helpers (no model, no process group); the batch format is in ``actors.learner``'s
-docstring.
+Pure tensor helpers (no model, no process group); the batch format is
+``raggym.algorithms.batch.TrainBatch``.
 """
 
 from __future__ import annotations
@@ -12,24 +12,13 @@ import torch
 
 from raggym.algorithms.batch import TrainBatch
 
-REQUIRED_KEYS = ("token_ids", "attention_mask", "loss_mask", "advantages")
-
-
-def batch_size_of(batch: TrainBatch) -> int:
-    return int(batch["token_ids"].shape[0])
-
-
-def slice_batch(batch: TrainBatch, index: torch.Tensor | slice) -> TrainBatch:
-    return {k: v[index] for k, v in batch.items()}
-
-
 def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
     """Split along the sequence axis into ``num_shards`` equal contiguous shards."""
-    n = batch_size_of(batch)
+    n = batch.num_rows
     if n % num_shards:
         raise ValueError(f"a batch of {n} sequences does not split evenly over {num_shards} learners")
     per = n // num_shards
-    return [slice_batch(batch, slice(r * per, (r + 1) * per)) for r in range(num_shards)]
+    return [batch.rows(slice(r * per, (r + 1) * per)) for r in range(num_shards)]
 
 
 def micro_pieces(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[slice]:
@@ -57,7 +46,7 @@ def micro_pieces(lengths: Sequence[int], max_rows: int, max_tokens: int | None =
 
 def trained_positions(batch: TrainBatch) -> torch.Tensor:
     """``[N, T]`` bool: the tokens the loss trains (position 0 never: nothing predicts it)."""
-    trained = batch["loss_mask"] > 0
+    trained = batch.loss_mask > 0
     trained[:, 0] = False
     return trained
 
@@ -78,5 +67,4 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # works for left or right padding
 
 
-__all__ = ["REQUIRED_KEYS", "batch_size_of", "micro_pieces", "position_ids", "shard_batch", "slice_batch",
-           "token_logprobs", "trained_positions"]
+__all__ = ["micro_pieces", "position_ids", "shard_batch", "token_logprobs", "trained_positions"]

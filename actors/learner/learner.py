@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -51,14 +52,7 @@ import torch
 import torch.distributed as dist
 
 from actors.checkpoint import load_learner_state, save_learner_state, save_policy_hf
-from actors.learner.batches import (
-    REQUIRED_KEYS,
-    batch_size_of,
-    micro_pieces,
-    position_ids,
-    slice_batch,
-    trained_positions,
-)
+from actors.learner.batches import micro_pieces, position_ids, trained_positions
 from actors.learner.config import LearnerConfig
 from actors.learner.distributed import (
     all_reduce,
@@ -343,11 +337,11 @@ class Learner:
         if self.reference is None:
             raise RuntimeError("teacher KL needs the reference model")
         k = self.config.loss.teacher_top_k
-        n, t = batch["token_ids"].shape
+        n, t = batch.token_ids.shape
         values = torch.zeros((n, t, k), dtype=torch.float32)
         indices = torch.zeros((n, t, k), dtype=torch.long)
         head = output_head(self.reference)
-        teacher_ids, teacher_attn = batch["teacher_token_ids"], batch["teacher_attention_mask"]
+        teacher_ids, teacher_attn = batch.teacher_token_ids, batch.teacher_attention_mask
         pieces = self._pieces(teacher_attn, self.config.micro_batch_size)
         for p in range(self._agreed(len(pieces))):
             sl = pieces[min(p, len(pieces) - 1)]
@@ -356,7 +350,7 @@ class Learner:
                 head_topk(hidden[0, :0], head, k, self.config.logit_chunk_size, self._head_chunks(0))
                 continue
             hidden = self._hidden(self.reference, teacher_ids[sl], teacher_attn[sl])
-            pos = batch["teacher_positions"][sl].long()
+            pos = batch.teacher_positions[sl].long()
             covered = pos > 0
             # Student token t is teacher token pos[t]; the teacher predicts it from position pos[t] − 1.
             rows = torch.arange(pos.shape[0])[:, None].expand_as(pos)[covered]
@@ -384,7 +378,7 @@ class Learner:
         step = self.version if step is None else int(step)
         n, per_rank = self._check_batch(batch)
         log = UpdateLog(self.world_size, self.grad_accum)
-        batch = dict(batch)
+        batch = replace(batch)  # the passes below set fields of this copy, not of the caller's batch
         pi_old = OldLogprobs(batch, cfg.old_logprobs, single_update=cfg.ppo_epochs == 1 and n == per_rank)
         if pi_old.needs_pass:
             self._recompute_old_logprobs(batch, pi_old, log)
@@ -429,13 +423,12 @@ class Learner:
 
     def _check_batch(self, batch: TrainBatch) -> tuple[int, int]:
         """``(sequences, per-rank mini-batch size)``; the batch must hold what the loss terms read."""
-        missing = [k for k in REQUIRED_KEYS if k not in batch]
-        if missing:
-            raise KeyError(f"train batch lacks {missing}")
+        if not isinstance(batch, TrainBatch):
+            raise TypeError(f"Learner.update takes a TrainBatch, got {type(batch).__name__}")
         lacking = self.policy_loss.missing_batch_keys(batch)
         if lacking:
             raise KeyError(f"the loss terms read batch fields the batch lacks: {lacking}")
-        n, per_rank = batch_size_of(batch), self.config.mini_batch_size // self.world_size
+        n, per_rank = batch.num_rows, self.config.mini_batch_size // self.world_size
         if n == 0 or n % per_rank:
             raise ValueError(
                 f"this learner got {n} sequences; it needs a positive multiple of the per-learner "
@@ -445,8 +438,8 @@ class Learner:
 
     def _recompute_old_logprobs(self, batch: TrainBatch, pi_old: OldLogprobs, log: UpdateLog) -> None:
         with log.timer("old_logprobs"):
-            batch["old_logprobs"] = self.compute_logprobs(batch["token_ids"], batch["attention_mask"],
-                                                          needed=trained_positions(batch))
+            batch.old_logprobs = self.compute_logprobs(batch.token_ids, batch.attention_mask,
+                                                       needed=trained_positions(batch))
         pi_old.recomputed = True
 
     def _keep_or_recompute_old_logprobs(self, batch: TrainBatch, pi_old: OldLogprobs, log: UpdateLog) -> None:
@@ -456,27 +449,26 @@ class Learner:
         if float(self._all_reduce(too_far, log, dist.ReduceOp.MAX)) > 0:
             self._recompute_old_logprobs(batch, pi_old, log)
         else:
-            batch["old_logprobs"] = batch["sampled_logprobs"]
+            batch.old_logprobs = batch.sampled_logprobs
 
     def _frozen_model_passes(self, batch: TrainBatch, log: UpdateLog) -> None:
         """What the loss terms need of the frozen model: reference log-probs, the teacher's top-K."""
         needs = self.policy_loss.needs
-        if "ref_log_probs" in needs and "ref_logprobs" not in batch:
+        if "ref_log_probs" in needs and batch.ref_logprobs is None:
             with log.timer("reference"):
-                batch["ref_logprobs"] = self.compute_ref_logprobs(batch["token_ids"], batch["attention_mask"],
-                                                                  needed=trained_positions(batch))
+                batch.ref_logprobs = self.compute_ref_logprobs(batch.token_ids, batch.attention_mask,
+                                                               needed=trained_positions(batch))
         if "teacher_kl" in needs:
             with log.timer("teacher"):
-                batch["teacher_topk_values"], batch["teacher_topk_indices"] = self.compute_teacher_topk(batch)
-        for key in ("teacher_token_ids", "teacher_attention_mask"):  # the teacher's full input is spent
-            batch.pop(key, None)
+                batch.teacher_topk_values, batch.teacher_topk_indices = self.compute_teacher_topk(batch)
+        batch.teacher_token_ids = batch.teacher_attention_mask = None  # the teacher's full input is spent
 
     @staticmethod
     def _mini_batch(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
         """The rows, those that share a prompt next to each other, so that they share a micro-batch
         (the update does not depend on how a mini-batch is split: each micro loss has its weight)."""
-        mini = slice_batch(batch, rows)
-        return slice_batch(mini, shared_prompt_order(mini["token_ids"], mini["attention_mask"]))
+        mini = batch.rows(rows)
+        return mini.rows(shared_prompt_order(mini.token_ids, mini.attention_mask))
 
     def _global_units(self, mini: TrainBatch, log: UpdateLog) -> list[float]:
         """Each loss group's normaliser count in the mini-batch, summed over the ranks (one all-reduce)."""
@@ -490,10 +482,10 @@ class Learner:
         as a filler, weight 0: a forward and backward that change nothing.
         """
         size = self.config.micro_batch_size
-        pieces = [slice(u0 + p.start, u0 + p.stop) for u0 in range(0, batch_size_of(mini), size)
-                  for p in self._pieces(mini["attention_mask"][u0 : u0 + size], size)]
+        pieces = [slice(u0 + p.start, u0 + p.stop) for u0 in range(0, mini.num_rows, size)
+                  for p in self._pieces(mini.attention_mask[u0 : u0 + size], size)]
         filler = slice(pieces[-1].start, pieces[-1].start + 1)
-        return [(slice_batch(mini, pieces[p]), False) if p < len(pieces) else (slice_batch(mini, filler), True)
+        return [(mini.rows(pieces[p]), False) if p < len(pieces) else (mini.rows(filler), True)
                 for p in range(self._agreed(len(pieces)))]
 
     def _group_weights(self, micro: TrainBatch, units: list[float], filler: bool) -> list[float]:
@@ -514,13 +506,13 @@ class Learner:
     def _loss_inputs(self, mb: TrainBatch, step: int) -> PolicyLossInputs:
         """One training forward over the micro-batch, and what the loss terms read of it."""
         needs, device = self.policy_loss.needs, self.device
-        mask = mb["loss_mask"].to(torch.float32).clone()
+        mask = mb.loss_mask.to(torch.float32).clone()
         mask[:, 0] = 0  # nothing predicts the first token
-        hidden, packed = self._packed_hidden(self.engine, mb["token_ids"], mb["attention_mask"], mask > 0)
+        hidden, packed = self._packed_hidden(self.engine, mb.token_ids, mb.attention_mask, mask > 0)
         teacher = {}
         if "teacher_kl" in needs:  # student logits (not divided by T) at the entries against the teacher's top-K there
-            teacher = {"teacher_values": packed.gather(mb["teacher_topk_values"]),
-                       "teacher_indices": packed.gather(mb["teacher_topk_indices"])}
+            teacher = {"teacher_values": packed.gather(mb.teacher_topk_values),
+                       "teacher_indices": packed.gather(mb.teacher_topk_indices)}
         # Entropy only at the trained positions (the full-vocabulary softmax is not free): the
         # entries' logits are the distributions their tokens were drawn from.
         head_stats = head_token_stats(
@@ -530,11 +522,11 @@ class Learner:
         log_probs = packed.scatter(head_stats.logprobs)  # log softmax(z / T) at the sampled tokens
         # Without old log-probs the weights have not moved since the rollout (first mini-batch of
         # a "rollout" update), so π_old is this very forward's value: ratio 1, as a recomputation gives.
-        old = mb["old_logprobs"].to(device, torch.float32) if "old_logprobs" in mb else log_probs.detach()
+        old = mb.old_logprobs.to(device, torch.float32) if mb.old_logprobs is not None else log_probs.detach()
         return PolicyLossInputs(
-            log_probs=log_probs, old_log_probs=old, advantages=mb["advantages"].to(device, torch.float32),
+            log_probs=log_probs, old_log_probs=old, advantages=mb.advantages.to(device, torch.float32),
             mask=mask.to(device), entropy=packed.scatter(head_stats.entropy),
-            ref_log_probs=mb["ref_logprobs"].to(device, torch.float32) if "ref_log_probs" in needs else None,
+            ref_log_probs=mb.ref_logprobs.to(device, torch.float32) if "ref_log_probs" in needs else None,
             teacher_kl=packed.scatter(head_stats.teacher_kl) if teacher else None, batch=mb, step=step,
         )
 

@@ -45,31 +45,31 @@ class OldLogprobs:
     """
 
     def __init__(self, batch: TrainBatch, old_logprobs: str, single_update: bool):
-        sampled = batch.pop("sampled_logprobs", None)
-        self.own = "old_logprobs" not in batch and old_logprobs == "rollout" and (single_update or sampled is not None)
+        sampled, batch.sampled_logprobs = batch.sampled_logprobs, None
+        self.own = batch.old_logprobs is None and old_logprobs == "rollout" and (single_update or sampled is not None)
         self.single_update = single_update
-        self.needs_pass = "old_logprobs" not in batch and not self.own  # recompute before the update
+        self.needs_pass = batch.old_logprobs is None and not self.own  # recompute before the update
         self.recomputed = False
         self.drift: dict[str, float] = {}
         self.checking = False  # in the first mini-batch of an ``own`` update
         self._checked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._sampled = sampled
         if self.own and sampled is not None:
-            batch["sampled_logprobs"] = sampled  # travels with the first mini-batch's rows for the drift check
+            batch.sampled_logprobs = sampled  # travels with the first mini-batch's rows for the drift check
 
     def measure(self, batch: TrainBatch) -> None:
         """The drift of the sampled log-probs from π_old when π_old is known before the update."""
         if not self.own:
-            self.drift = logprob_drift(self._sampled, batch["old_logprobs"], batch["loss_mask"])
+            self.drift = logprob_drift(self._sampled, batch.old_logprobs, batch.loss_mask)
 
     def start_mini_batch(self, mini: TrainBatch) -> None:
-        self.checking = self.own and "old_logprobs" not in mini
+        self.checking = self.own and mini.old_logprobs is None
         self._checked = []
 
     def observe(self, micro: TrainBatch, current: torch.Tensor, filler: bool) -> None:
         """Keep a micro-batch's own log-probs, while they can still stand in for π_old."""
-        if self.checking and "sampled_logprobs" in micro and not filler:
-            self._checked.append((micro["sampled_logprobs"], current.cpu(), micro["loss_mask"]))
+        if self.checking and micro.sampled_logprobs is not None and not filler:
+            self._checked.append((micro.sampled_logprobs, current.cpu(), micro.loss_mask))
 
     def decides_now(self, boundary: bool) -> bool:
         """At the first optimizer step of an update with more to come: keep the rollout's π_old or recompute?"""

@@ -46,7 +46,7 @@ class UpdateLog:
     def micro_batch(self, micro: TrainBatch, weights: Sequence[float], group_stats: Sequence[Mapping[str, float]],
                     totals: Mapping[str, float]) -> None:
         """Add a (non-filler) micro-batch's tokens, stats (each group's weighted by its weight) and totals."""
-        self.tokens += int(micro["attention_mask"].sum())
+        self.tokens += int(micro.attention_mask.sum())
         for weight, stats in zip(weights, group_stats):
             for k, v in stats.items():
                 self._mini[k] = self._mini.get(k, 0.0) + v * weight / (self.world_size * self.grad_accum)

@@ -390,7 +390,7 @@ def section_learner(args, seq_len: int, micros: list[int]) -> dict:
         try:
             reset_peak(args)
             t = time.perf_counter()
-            batch["old_logprobs"] = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+            batch.old_logprobs = learner.compute_logprobs(batch.token_ids, batch.attention_mask)
             synchronize(args)
             row["compute_logprobs_seconds"] = round(time.perf_counter() - t, 3)
             row["compute_logprobs_memory"] = memory(args)
@@ -431,17 +431,17 @@ def section_torch_adamw(args, seq_len: int, micros: list[int]) -> dict:
     autocast = torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=args.device == "cuda")
 
     def update(batch, micro) -> None:
-        mask_all = batch["loss_mask"].clone()
+        mask_all = batch.loss_mask.clone()
         mask_all[:, 0] = 0
         total = float(mask_all.sum())
         for s in range(0, micro * ga, micro):
-            ids = batch["token_ids"][s : s + micro].to(dev)
-            attn = batch["attention_mask"][s : s + micro].to(dev)
+            ids = batch.token_ids[s : s + micro].to(dev)
+            attn = batch.attention_mask[s : s + micro].to(dev)
             mask = mask_all[s : s + micro].to(dev)
             with autocast:
                 logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
             lp = token_logprobs(logits.float(), ids)
-            loss, _ = clipped_policy_loss(lp, batch["old_logprobs"][s : s + micro].to(dev), batch["advantages"][s : s + micro].to(dev), mask)
+            loss, _ = clipped_policy_loss(lp, batch.old_logprobs[s : s + micro].to(dev), batch.advantages[s : s + micro].to(dev), mask)
             (loss * float(mask.sum()) / total).backward()  # the global token mean, as the Learner weighs it
             del logits, lp, loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -453,7 +453,7 @@ def section_torch_adamw(args, seq_len: int, micros: list[int]) -> dict:
     for micro in micros:
         batch = synthetic_train_batch(micro * ga, seq_len, shape["vocab_size"], seed=micro)
         with torch.no_grad():  # old log-probs: any fixed values serve for timing
-            batch["old_logprobs"] = torch.zeros(batch["token_ids"].shape)
+            batch.old_logprobs = torch.zeros(batch.token_ids.shape)
         row: dict = {"micro_batch": micro, "tokens_per_micro_batch": micro * seq_len}
         try:
             update(batch, micro)  # warm-up (also allocates the AdamW state)
@@ -746,7 +746,7 @@ def section_smoke(args) -> dict:
         return res, smoke_batch(prompts, res, tok.pad_token_id), time.perf_counter() - t
 
     def gap(batch):
-        return max_logprob_gap(learner.compute_logprobs(batch["token_ids"], batch["attention_mask"]), batch)
+        return max_logprob_gap(learner.compute_logprobs(batch.token_ids, batch.attention_mask), batch)
 
     res, batch, secs = rollout(0)
     report["generate"] = {"seconds": round(secs, 3), "tokens": sum(len(r.token_ids) for r in res),

@@ -53,6 +53,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import ray
 import torch
@@ -89,8 +90,8 @@ def bench_deepspeed(args, batch) -> dict:
     t0 = time.perf_counter()
     learner = Learner(cfg)
     setup = time.perf_counter() - t0
-    batch = dict(batch)
-    batch["old_logprobs"] = learner.compute_logprobs(batch["token_ids"], batch["attention_mask"])
+    batch = replace(batch)
+    batch.old_logprobs = learner.compute_logprobs(batch.token_ids, batch.attention_mask)
     learner.update(batch)  # warm-up
     times, tokens = [], 0
     for _ in range(args.steps):
@@ -114,20 +115,20 @@ def bench_plain_torch(args, batch) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     micro = args.micro_batch
-    n = batch["token_ids"].shape[0]
+    n = batch.token_ids.shape[0]
 
     def step() -> int:
         tokens = 0
-        mask_all = batch["loss_mask"].clone()
+        mask_all = batch.loss_mask.clone()
         mask_all[:, 0] = 0
         total = float(mask_all.sum())
         for s in range(0, n, micro):
-            ids = batch["token_ids"][s : s + micro]
-            attn = batch["attention_mask"][s : s + micro]
+            ids = batch.token_ids[s : s + micro]
+            attn = batch.attention_mask[s : s + micro]
             mask = mask_all[s : s + micro]
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
             lp = token_logprobs(logits.float(), ids)
-            loss, _ = clipped_policy_loss(lp, batch["old_logprobs"][s : s + micro], batch["advantages"][s : s + micro], mask)
+            loss, _ = clipped_policy_loss(lp, batch.old_logprobs[s : s + micro], batch.advantages[s : s + micro], mask)
             (loss * float(mask.sum()) / total).backward()  # the same global token mean
             tokens += int(attn.sum())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -210,10 +211,10 @@ def bench_grpo_learner(learner, batch, **settings) -> dict:
     """Seconds of one ``Learner.update`` on ``batch`` with the given speed settings."""
     for key, value in settings.items():
         setattr(learner.config, key, value)  # read at update time; the engine stays the same
-    ids, attn = batch["token_ids"][:1], batch["attention_mask"][:1]
+    ids, attn = batch.token_ids[:1], batch.attention_mask[:1]
     learner.compute_logprobs(ids, attn)  # warm-up: one forward with these settings
     t, cpu = time.perf_counter(), time.process_time()
-    metrics = learner.update(dict(batch))
+    metrics = learner.update(replace(batch))
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     keys = ("tokens", "tokens_computed", "padding_share", "prompt_share_saved", "old_logprobs_recomputed")
     return {"seconds": seconds, "cpu_seconds": cpu, **{k: metrics[k] for k in keys},
@@ -223,15 +224,15 @@ def bench_grpo_learner(learner, batch, **settings) -> dict:
 def bench_grpo_plain(args, batch, model, reference) -> dict:
     """The same step as a plain torch loop: old-logprob pass, reference pass, forward + backward, AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
-    micro, n = args.micro_batch, batch["token_ids"].shape[0]
-    mask_all = batch["loss_mask"].clone()
+    micro, n = args.micro_batch, batch.token_ids.shape[0]
+    mask_all = batch.loss_mask.clone()
     mask_all[:, 0] = 0
     total = float(mask_all.sum())
 
     @torch.no_grad()
     def logprobs_of(net, rows) -> torch.Tensor:
         net.eval()
-        ids, attn = batch["token_ids"][rows], batch["attention_mask"][rows]
+        ids, attn = batch.token_ids[rows], batch.attention_mask[rows]
         return token_logprobs(net(input_ids=ids, attention_mask=attn, use_cache=False).logits.float(), ids)
 
     logprobs_of(model, slice(0, 1))  # warm-up: one forward
@@ -246,10 +247,10 @@ def bench_grpo_plain(args, batch, model, reference) -> dict:
     t = time.perf_counter()
     model.train()
     for s in range(0, n, micro):
-        ids, attn = batch["token_ids"][s : s + micro], batch["attention_mask"][s : s + micro]
+        ids, attn = batch.token_ids[s : s + micro], batch.attention_mask[s : s + micro]
         mask = mask_all[s : s + micro]
         lp = token_logprobs(model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float(), ids)
-        loss, _ = clipped_policy_loss(lp, old[s], batch["advantages"][s : s + micro], mask)
+        loss, _ = clipped_policy_loss(lp, old[s], batch.advantages[s : s + micro], mask)
         if reference is not None:
             loss = loss + args.kl_coef * kl_loss(lp, ref[s], mask)
         (loss * float(mask.sum()) / total).backward()  # the same global token mean
@@ -273,9 +274,9 @@ def run_grpo_step(args) -> dict:
     return {
         "bench": "learner-grpo-step",
         "model": args.model,
-        "shape": {"sequences": int(batch["token_ids"].shape[0]), "groups": args.groups, "group_size": args.group_size,
-                  "prompt_tokens": args.prompt_len, "tokens": int(batch["attention_mask"].sum()),
-                  "trained_tokens": int(batch["loss_mask"].sum()), "micro_batch": args.micro_batch,
+        "shape": {"sequences": int(batch.token_ids.shape[0]), "groups": args.groups, "group_size": args.group_size,
+                  "prompt_tokens": args.prompt_len, "tokens": int(batch.attention_mask.sum()),
+                  "trained_tokens": int(batch.loss_mask.sum()), "micro_batch": args.micro_batch,
                   "kl_coef": args.kl_coef, "zero_stage": args.zero_stage},
         "threads": torch.get_num_threads(),
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "processor": platform.processor(),

@@ -33,7 +33,7 @@ A new term is one decorated function (and its name in ``learner.loss.terms``)::
         return LossTerm(coef * value, {"nll": value.item()})         # + c·NLL
 
 ``needs`` tells the learner what to compute beyond the policy's log-probs and entropies
-(``LEARNER_INPUTS``); ``batch_keys`` are the batch fields the term reads. Registration is per
+(``LEARNER_INPUTS``); ``batch_keys`` are the ``TrainBatch`` fields the term reads. Registration is per
 process: for Ray learners name the term by its import string, ``"package.module:function"``
 (the import registers it in every process), or register it in a module every process imports.
 """
@@ -46,7 +46,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 
-from raggym.algorithms.batch import TrainBatch, teacher_kl_eligible, teacher_kl_span
+from raggym.algorithms.batch import BATCH_FIELDS, TrainBatch, teacher_kl_eligible, teacher_kl_span
 from raggym.algorithms.losses import (
     DUAL_CLIP_RATIO_C,
     aggregate_loss,
@@ -121,7 +121,7 @@ class PolicyLossInputs:
     entropy: torch.Tensor  # H(π_θ(· | y_<t)) at the trained tokens; with gradient only if a term needs "entropy_grad"
     ref_log_probs: torch.Tensor | None = None  # log π_ref(y_t), when a term needs "ref_log_probs"
     teacher_kl: torch.Tensor | None = None  # KL(teacher ‖ π_θ) on the teacher's top-K, when a term needs "teacher_kl"
-    batch: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the micro-batch's own fields (CPU)
+    batch: TrainBatch | None = None  # the micro-batch's own fields (CPU)
     step: int = 0  # the trainer step, for schedules (the teacher-KL ramp)
 
 
@@ -153,7 +153,7 @@ Normalizer = Callable[[TrainBatch, PolicyLossConfig], torch.Tensor]
 def trained_units(batch: TrainBatch, config: PolicyLossConfig) -> torch.Tensor:
     """What ``config.aggregation`` averages over in ``batch``: its trained tokens (token-mean), or
     its sequences with any trained token (the seq-mean aggregations)."""
-    mask = batch["loss_mask"].float().clone()
+    mask = batch.loss_mask.float().clone()
     mask[:, 0] = 0  # nothing predicts the first token
     if config.aggregation == "token-mean":
         return mask.sum()
@@ -172,7 +172,7 @@ class PolicyLossTerm:
     name: str
     fn: Callable[..., LossTerm]
     needs: frozenset[str] = frozenset()  # keys of LEARNER_INPUTS
-    batch_keys: tuple[str, ...] = ()  # batch fields the term reads
+    batch_keys: tuple[str, ...] = ()  # TrainBatch fields the term reads
     normalizer: Normalizer = trained_units  # the units the term's value is a mean over
     summarize: Callable[[Mapping[str, float], int], dict[str, float]] | None = None  # metrics from the totals and the epoch count
     summed_over_ranks: tuple[str, ...] = ()  # metrics that add up over data-parallel ranks (others are averaged)
@@ -195,6 +195,9 @@ def register_policy_loss_term(
     unknown = sorted(set(needs) - set(LEARNER_INPUTS))
     if unknown:
         raise ValueError(f"policy-loss term {name!r} needs {unknown}; the learner provides {sorted(LEARNER_INPUTS)}")
+    unknown = sorted(set(batch_keys) - BATCH_FIELDS)
+    if unknown:
+        raise ValueError(f"policy-loss term {name!r} reads batch fields {unknown}; a TrainBatch has {sorted(BATCH_FIELDS)}")
 
     def decorate(fn: Callable[..., LossTerm]) -> Callable[..., LossTerm]:
         if name in POLICY_LOSS_TERMS and not replace:
@@ -261,10 +264,11 @@ class PolicyLoss:
         self.batch_keys = tuple(dict.fromkeys([*teacher_inputs, *(k for t in self.terms for k in t.batch_keys)]))
         self.options = {name: dict(settings) for name, settings in (config.term_options or {}).items()}
 
-    def missing_batch_keys(self, batch: Mapping[str, Any]) -> dict[str, list[str]]:
-        """``{term name: [fields it reads that the batch lacks]}`` for every term short of a field."""
+    def missing_batch_keys(self, batch: TrainBatch) -> dict[str, list[str]]:
+        """``{term name: [fields it reads that the batch lacks (None)]}`` for every term short of a field."""
         teacher = {t.name for t in self.terms if "teacher_kl" in t.needs}
-        lacking = {t.name: [k for k in (*(TEACHER_INPUT_KEYS if t.name in teacher else ()), *t.batch_keys) if k not in batch]
+        lacking = {t.name: [k for k in (*(TEACHER_INPUT_KEYS if t.name in teacher else ()), *t.batch_keys)
+                            if getattr(batch, k) is None]
                    for t in self.terms}
         return {name: keys for name, keys in lacking.items() if keys}
 
@@ -362,7 +366,7 @@ def mode_entropy_bonus(inputs: PolicyLossInputs, config: PolicyLossConfig) -> Lo
     Logged: ``mode_entropy_term`` (H_mode) and, over the update, ``mode_entropy`` (the mean entropy
     of the choices themselves) and ``mode_choices`` (per epoch).
     """
-    choice = inputs.batch["mode_choice_mask"].to(inputs.mask.device, torch.float32) * inputs.mask
+    choice = inputs.batch.mode_choice_mask.to(inputs.mask.device, torch.float32) * inputs.mask
     mode_entropy = aggregate_loss(inputs.entropy * choice, inputs.mask, config.aggregation)  # H_mode
     return LossTerm(-config.mode_entropy_coef * mode_entropy,  # − c_M·H_mode
                     {"mode_entropy_term": mode_entropy.item()},
@@ -390,7 +394,7 @@ def pathrouter_teacher_kl(inputs: PolicyLossInputs, config: PolicyLossConfig) ->
     """
     device = inputs.mask.device
     span = teacher_kl_span(inputs.batch).to(device)  # think/query tokens with a teacher counterpart
-    low_eo = inputs.batch["evidence_overlap"].to(device) < config.evidence_threshold  # EO < θ_P
+    low_eo = inputs.batch.evidence_overlap.to(device) < config.evidence_threshold  # EO < θ_P
     lam = teacher_kl_weight(inputs.step, config.teacher_max_weight, config.teacher_warmup_steps)  # λ̄·min(1, step/W)
     loss, stats = selective_teacher_kl_loss(inputs.teacher_kl, span, low_eo, lam)
     kl, n = float(stats["teacher_kl"]), float(stats["teacher_kl_trajectories"])
