@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-seed", type=int, default=0, help="seed of the order --split-steps visits the training questions in")
     p.add_argument("--measure-every", type=int, default=1, help="read the held-out probes after every N-th --split-steps step")
     p.add_argument("--chunk", type=int, default=8, help="training prefixes per forward pass (memory, not maths)")
+    p.add_argument("--no-alignment", action="store_true",
+                   help="skip the gradient alignment (minutes of per-probe gradients); only --split-steps")
     p.add_argument("policies", nargs="+", help="model spec, HF folder, checkpoint or run folder")
     return p
 
@@ -195,8 +197,9 @@ def main(argv=None) -> int:
     for spec in args.policies:
         started = time.perf_counter()
         model = load_policy(resolve_policy(spec))[0]
-        result = mode_gradient_alignment(model, tokenizer, probes)
-        print(json.dumps({"policy": spec, **result, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        if not args.no_alignment:
+            result = mode_gradient_alignment(model, tokenizer, probes)
+            print(json.dumps({"policy": spec, **result, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
         if args.split_steps:
             for record in supervised_split(model, tokenizer, train_probes, probes, args.split_steps, args.split_lr,
                                            args.split_batch, seed=args.split_seed, measure_every=args.measure_every,

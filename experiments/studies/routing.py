@@ -225,7 +225,7 @@ def mode_logits(model, examples: list[dict], slot: list[int], continuations: lis
                          position_ids=last + torch.arange(1, steps + 1, device=device), past_key_values=cache,
                          use_cache=True).logits.float()
             logits = torch.cat([logits, more], 1)
-            cache.crop(width)  # drop the continuation's tokens again
+            cache.crop(-steps)  # drop the continuation's tokens again
         # log p(cont | prefix) = Σ_j log softmax(logits predicting cont_j)[cont_j]
         chosen = torch.tensor(cont, device=device).expand(len(prefixes), -1).unsqueeze(-1)
         logps.append(torch.log_softmax(logits, -1).gather(-1, chosen).squeeze(-1).sum(-1))
