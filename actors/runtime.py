@@ -117,8 +117,10 @@ def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
 
 
 def learner_config(cfg) -> dict:
-    learner = {"model": cfg.policy.model, "temperature": float(cfg.rollout.temperature), "seed": int(cfg.run.seed),
-               **(to_plain(cfg.learner) or {})}
+    """The ``LearnerConfig`` mapping of a config: its ``learner`` section plus the settings the
+    trainer takes from other sections (``experiments.config.SET_ELSEWHERE``)."""
+    learner = {**(to_plain(cfg.learner) or {}), "model": cfg.policy.model, "temperature": float(cfg.rollout.temperature),
+               "seed": int(cfg.run.seed)}
     reward = to_plain(cfg.get("reward")) or {}
     if "evidence_threshold" in reward:  # θ_P: one key (reward.evidence_threshold) for routes and teacher KL
         learner["loss"] = {**(learner.get("loss") or {}), "evidence_threshold": float(reward["evidence_threshold"])}

@@ -5,16 +5,24 @@
 
 A config is the ``TrainConfig`` defaults, then a YAML file, then ``key=value`` overrides.
 
-* **Fixed sections** are dataclasses (``run``, ``data``, ``env``, ``policy``, ``rollout`` =
+* **Typed sections** are dataclasses (``run``, ``data``, ``env``, ``policy``, ``rollout`` =
   ``RolloutSection``, ``advantage``, ``retrieval``, ``ray``, ``sft``, ``eval``, ``learner_resources``
-  and the top-level scalars). OmegaConf itself rejects their unknown keys and mistyped values.
-* **Open sections** are ``dict`` fields whose keys depend on another key: ``reward``,
-  ``env.kwargs``, ``eval.env_kwargs``, ``rollout.engine_kwargs``, ``learner`` and ``data.synthetic``.
-  ``experiments.config_schema`` checks them against the class or signature they are passed to.
+  and the top-level scalars). OmegaConf itself rejects their unknown keys and mistyped values. Two
+  are the settings classes their values go to: ``data.synthetic`` is ``raggym.data.synthetic.WorldConfig``
+  and ``learner`` is ``LearnerSection``, ``actors.learner.LearnerConfig`` less the keys the trainer
+  sets from other sections (``SET_ELSEWHERE``: setting one is an error that says where it goes).
+  OmegaConf does not run a dataclass's ``__post_init__``, so ``_value_errors`` builds those classes
+  (and ``sft.lora``'s ``LoraSettings``) once the config is otherwise valid.
+* **Open sections** are ``dict`` fields whose keys depend on another key's value, which a dataclass
+  field cannot say: ``reward`` (the schedule of ``reward.method``), ``env.kwargs`` and
+  ``eval.env_kwargs`` (the constructor registered for ``env.id``) and ``rollout.engine_kwargs``
+  (the class of ``rollout.engine``). ``experiments.config_schema`` checks them against the class or
+  signature they are passed to.
 * **Open registries**: ``method``/``reward.method`` (built-ins or ``register_reward_schedule``),
   ``advantage.estimator`` (``register_advantage_estimator``), ``env.id`` (gymnasium's registry)
   and ``rollout.engine`` (``hf``, ``vllm``, ``vllm-async``, ``register_engine`` or ``"module:Class"``).
-* **Cross-section checks** (``_cross_errors``) run once everything else is valid.
+* **Value and cross-section checks** (``_value_errors``, ``_cross_errors``) run once everything
+  else is valid.
 
 Every problem is one line of ``ConfigError``: ``invalid config:\\n  <source>: <dotted key>: <problem>``.
 The source is the YAML path, ``override``, ``config`` (``config_from_dict``) or ``defaults``. Each
@@ -37,12 +45,47 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ConfigTypeError, OmegaConfBaseException, ValidationError
 
 import envs
-from experiments.config_schema import dataclass_in, get_path, leaf_from_type, leaf_paths, open_section_errors, unknown_key
+from actors.learner.config import LearnerConfig
+from experiments.config_schema import (cannot_set_here, dataclass_in, get_path, leaf_from_type, leaf_paths,
+                                       open_section_errors, unknown_key)
+from raggym.algorithms.policy_loss import PolicyLossConfig
 from raggym.config_nodes import ConfigError, to_plain  # noqa: F401  (part of this module's API)
+from raggym.config_util import dataclass_from_mapping
+from raggym.data.synthetic import WorldConfig
 from raggym.models import LoraSettings
 from raggym.protocol import get_dialect
 
 STEPWISE_ENV = "raggym/MultiKBRoute-v0"  # R1-Router's env: its episodes run step-wise
+
+# Learner settings the trainer takes from other sections (``actors.runtime.learner_config``): the
+# ``learner`` section has no such key, and setting one is refused with where to set it instead.
+SET_ELSEWHERE = {
+    "learner.model": "the learner trains policy.model (or the SFT policy)",
+    "learner.temperature": "set rollout.temperature (the learner divides logits by it)",
+    "learner.seed": "set run.seed",
+    # θ_P is one value: the PathRouter routes (reward/advantage) and the teacher-KL selection.
+    "learner.loss.evidence_threshold": "set reward.evidence_threshold (θ_P, used by the routes and the teacher KL alike)",
+}
+
+
+def _section(cls, path: str, name: str, **sections) -> type:
+    """``cls`` as the config section at ``path``: its fields with their types and defaults, less the
+    keys ``SET_ELSEWHERE`` names; ``sections`` replaces nested dataclass fields by their sections."""
+    hints, fields = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if f"{path}.{f.name}" in SET_ELSEWHERE:
+            continue
+        if f.name in sections:
+            fields.append((f.name, sections[f.name], field(default_factory=sections[f.name])))
+        else:
+            fields.append((f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory)))
+    section = dataclasses.make_dataclass(name, fields)
+    section.__module__ = __name__  # a config pickles its sections' classes by reference (Ray ships configs)
+    return section
+
+
+PolicyLossSection = _section(PolicyLossConfig, "learner.loss", "PolicyLossSection")
+LearnerSection = _section(LearnerConfig, "learner", "LearnerSection", loss=PolicyLossSection)
 
 
 @dataclass
@@ -60,7 +103,7 @@ class RunConfig:
 @dataclass
 class DataConfig:
     source: Literal["synthetic", "files"] = "synthetic"
-    synthetic: dict = field(default_factory=lambda: {"seed": 0, "n_entities": 300, "n_questions": 60})
+    synthetic: WorldConfig = field(default_factory=lambda: WorldConfig(seed=0, n_entities=300, n_questions=60))
     corpus: Optional[str] = None
     questions: Optional[str] = None
     openie: Optional[str] = None
@@ -177,13 +220,32 @@ class TrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    learner: dict = field(default_factory=dict)
+    learner: LearnerSection = field(default_factory=LearnerSection)
     num_learners: int = 2
     learner_resources: Optional[LearnerResources] = None
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# Typed sections whose dataclasses check values in ``__post_init__``, which OmegaConf does not run.
+_BUILT_TO_CHECK = (("learner", LearnerConfig), ("sft.lora", LoraSettings), ("data.synthetic", WorldConfig))
+
+
+def _value_errors(c: dict) -> list[tuple[str, str]]:
+    """The typed sections' own value checks: each is built as the trainer will build it."""
+    errs = []
+    for path, cls in _BUILT_TO_CHECK:
+        value = get_path(c, path.split("."))
+        if value is None:
+            continue
+        try:
+            dataclass_from_mapping(cls, value, path)
+        except (ValueError, TypeError) as exc:
+            named = re.match(rf"({re.escape(path)}\.[\w.]+) (.*)", str(exc), re.S)  # "learner.loss.terms is empty: ..."
+            errs.append((named[1], named[2]) if named else (path, str(exc)))
+    return errs
 
 
 def _cross_errors(c: dict) -> list[tuple[str, str]]:
@@ -264,6 +326,8 @@ def _translate(exc: OmegaConfBaseException, leaf: str, tree: Mapping) -> tuple[s
     """OmegaConf's error for merging ``leaf`` of a source as (dotted key, problem) in our wording."""
     key = re.sub(r"\[\d+\]", "", exc.full_key or "") or leaf  # a list item's error is the list's
     if isinstance(exc, ConfigKeyError):
+        if key in SET_ELSEWHERE:
+            return key, cannot_set_here(SET_ELSEWHERE[key])
         parent, _, name = key.rpartition(".")
         section = dataclass_in(_field_type(parent))
         return leaf, unknown_key(leaf, name, parent, [f.name for f in dataclasses.fields(section)] if section else [])
@@ -294,7 +358,7 @@ def _report(cfg: DictConfig, sources: Sequence[_Source], problems: list[_Problem
     c = OmegaConf.to_container(cfg, resolve=True)
     found = open_section_errors(c)
     if not problems and not found:
-        found = _cross_errors(c)
+        found = _value_errors(c) + _cross_errors(c)
 
     def origin(key: str) -> str:
         for parts in (key.split("."), key.split(".")[:1]):  # a cross-check key may be implied by its section

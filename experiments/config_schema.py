@@ -1,14 +1,15 @@
 """What the open sections of a training config accept, derived from where their values go.
 
-Six config sections are plain mappings whose keys depend on another key: ``reward`` (the schedule
-of ``reward.method``), ``env.kwargs`` and ``eval.env_kwargs`` (the constructor gymnasium registered
-for ``env.id``), ``rollout.engine_kwargs`` (the constructor of ``rollout.engine``), ``learner``
-(``actors.learner.LearnerConfig``) and ``data.synthetic`` (``raggym.data.synthetic.WorldConfig``).
-Their schemas are built from those dataclasses and signatures, so they cannot drift from them: a
-schema maps each key to a typed ``Leaf``, a nested schema, an ``OptionalSection`` or a
-``Forbidden`` key (one the trainer sets from elsewhere). ``open_section_errors`` also checks the
-names of the open registries (reward methods, advantage estimators, policy-loss terms, env ids,
-engines).
+Four config sections stay plain mappings because their keys depend on another key's value, which
+a dataclass field cannot say: ``reward`` (the schedule of ``reward.method``), ``env.kwargs`` and
+``eval.env_kwargs`` (the constructor gymnasium registered for ``env.id``) and
+``rollout.engine_kwargs`` (the constructor of ``rollout.engine``). Every other section, ``learner``
+and ``data.synthetic`` included, is a dataclass that OmegaConf checks (``experiments.config``).
+The open sections' schemas are built from the reward configs' dataclasses and the constructors'
+signatures, so they cannot drift from them: a schema maps each key to a typed ``Leaf``, a nested
+schema, an ``OptionalSection`` or a ``Forbidden`` key (one the trainer sets from elsewhere).
+``open_section_errors`` also checks the names of the open registries (reward methods, advantage
+estimators, policy-loss terms, env ids, engines).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ class Forbidden:
     """A key of the underlying class that the trainer sets from elsewhere."""
 
     hint: str
+
+
+def cannot_set_here(hint: str) -> str:
+    """The problem of a key the trainer sets from elsewhere; ``hint`` says where."""
+    return f"cannot be set here: {hint}"
 
 
 class _BadKey(ValueError):
@@ -171,7 +177,7 @@ def _schema_errors(value, schema, path: str) -> list[tuple[str, str]]:
             return []
         schema = schema.schema
     if isinstance(schema, Forbidden):
-        return [(path, f"cannot be set here: {schema.hint}")]
+        return [(path, cannot_set_here(schema.hint))]
     if isinstance(schema, Leaf):
         return [] if schema.accepts(value) else [(path, f"must be {schema.describe()}, got {value!r} ({type(value).__name__})")]
     if not isinstance(value, Mapping):
@@ -218,26 +224,6 @@ def _reward_schema(c: dict) -> Optional[dict]:
         return None  # registered with register_reward_schedule: its builder checks its own keys
     raise _BadKey("reward.method", f"unknown reward method {method!r}; known: {_reward_methods()} "
                                    "(add one with raggym.rewards.schedules.register_reward_schedule)")
-
-
-def _learner_schema(c: dict) -> dict:
-    from actors.learner import LearnerConfig
-
-    schema = _dataclass_schema(LearnerConfig, {
-        "model": "the learner trains policy.model (or the SFT policy)",
-        "temperature": "set rollout.temperature (the learner divides logits by it)",
-        "seed": "set run.seed",
-    })
-    # θ_P is one value: the PathRouter routes (reward/advantage) and the teacher-KL selection.
-    schema["loss"]["evidence_threshold"] = Forbidden("set reward.evidence_threshold (θ_P, used by the routes and "
-                                                     "the teacher KL alike)")
-    return schema
-
-
-def _world_schema(c: dict) -> dict:
-    from raggym.data.synthetic import WorldConfig
-
-    return _dataclass_schema(WorldConfig)
 
 
 # Env constructor arguments the trainer supplies itself (objects, or values it derives).
@@ -310,8 +296,7 @@ def _vllm_kwargs_schema(engine_class) -> Optional[dict]:
 
 
 _OPEN_SECTIONS: tuple[tuple[str, Callable[[dict], Optional[dict]]], ...] = (
-    ("reward", _reward_schema), ("learner", _learner_schema), ("data.synthetic", _world_schema),
-    ("env.kwargs", _env_kwargs_schema), ("eval.env_kwargs", _env_kwargs_schema),
+    ("reward", _reward_schema), ("env.kwargs", _env_kwargs_schema), ("eval.env_kwargs", _env_kwargs_schema),
     ("rollout.engine_kwargs", _engine_kwargs_schema))
 
 
@@ -328,7 +313,7 @@ def open_section_errors(c: dict) -> list[tuple[str, str]]:
         errors.append(("advantage.estimator", f"unknown estimator {c['advantage']['estimator']!r}; known: "
                        f"{sorted(ADVANTAGE_ESTIMATORS)} (add one with @register_advantage_estimator)"))
     terms = get_path(c, ("learner", "loss", "terms"))
-    for term in terms if isinstance(terms, (list, tuple)) else ():  # anything else fails the schema below
+    for term in terms or ():  # a list of strings (OmegaConf checks the type)
         try:
             get_policy_loss_term(str(term))
         except ValueError as exc:

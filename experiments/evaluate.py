@@ -52,7 +52,6 @@ from tqdm.auto import tqdm
 
 from actors.cluster import init_ray
 from envs import SEARCH_ENV_IDS
-from experiments.config import config_from_dict
 from experiments.judge import make_judge
 from raggym.atomic import atomic_write_json, atomic_write_text
 from raggym.data import DataFormatError, load_corpus, load_questions, write_jsonl
@@ -66,7 +65,7 @@ from raggym.retrieval.retriever import corpus_fingerprint
 from raggym.retrieval.storage import read_manifest
 
 # Ray, torch and the modules that import torch (raggym.rewards, envs.rollout, actors.runtime,
-# experiments.training) are imported in the functions that use them: `raggym` imports this module
+# experiments.training, experiments.config) are imported in the functions that use them: `raggym` imports this module
 # when it starts (the eval subcommand's arguments); torch would add about 1.5 s and Ray 0.3 s to
 # every command, --help too.
 
@@ -463,6 +462,8 @@ def judged_correct(episodes: Sequence[dict], judge) -> list[bool | None]:
 
 def _eval_config(policy_path: str, dialect: str, *, engine: str, workers: int, temperature: float, seed: int,
                  max_response_tokens: int, max_turn_tokens: int, max_observation_tokens: int):
+    from experiments.config import config_from_dict  # torch: on use (see the imports)
+
     engine_kwargs = {"kv_cache_gib": EVAL_KV_CACHE_GIB} if engine == "vllm-async" else {}
     return config_from_dict({
         "policy": {"model": policy_path}, "env": {"id": _env_id(dialect)}, "run": {"seed": int(seed)},

@@ -610,6 +610,11 @@ def test_theta_p_is_one_key_for_the_routes_and_the_teacher_selection():
         load_config(tiny, ["learner.loss.evidence_threshold=0.2"])
     cfg = load_config(tiny, ["reward.evidence_threshold=0.3"])
     assert LearnerConfig.from_dict(learner_config(cfg)).loss.evidence_threshold == 0.3
+    # the trainer's own keys come from their sections
+    cfg = load_config(tiny, ["policy.model=tiny-llama", "rollout.temperature=0.7", "run.seed=5"])
+    learner = LearnerConfig.from_dict(learner_config(cfg))
+    assert (learner.model, learner.temperature, learner.seed) == ("tiny-llama", 0.7, 5)
+    assert learner.loss.evidence_threshold == LearnerConfig().loss.evidence_threshold  # pathrouter_tiny sets no θ_P
 
 
 def test_dual_clip_reaches_the_learners_loss(tiny_model):

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.config import load_config
+from experiments.config import ConfigError, load_config
 from raggym.data.sampler import PromptSampler
 
 
@@ -22,6 +22,38 @@ def test_config_errors_are_clear(tmp_path):
         load_config(str(bad))
     with pytest.raises(ValueError, match="key=value"):
         load_config(None, ["run.steps"])
+
+
+def _problems(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        load_config("experiments/configs/cpu_tiny.yaml", overrides)
+    return str(err.value).splitlines()[1:]
+
+
+def test_the_learner_section_is_typed_and_refuses_what_the_trainer_sets():
+    assert _problems(["learner.micro_batch_size=two"]) == ["  override: learner.micro_batch_size: must be int, got 'two' (str)"]
+    [unknown] = _problems(["learner.micro_batch_sise=2"])
+    assert unknown.startswith("  override: unknown config key 'learner.micro_batch_sise': no 'micro_batch_sise' under "
+                              "'learner'; known: ['cpu_shm_comm', ")
+    assert "'micro_batch_size'" in unknown and "'model'" not in unknown  # the trainer's keys are not offered
+    assert _problems(["learner.model=Qwen/Qwen2.5-3B"]) == [
+        "  override: learner.model: cannot be set here: the learner trains policy.model (or the SFT policy)"]
+    assert _problems(["learner.temperature=0.5", "learner.loss.evidence_threshold=0.2"]) == [
+        "  override: learner.temperature: cannot be set here: set rollout.temperature (the learner divides logits by it)",
+        "  override: learner.loss.evidence_threshold: cannot be set here: set reward.evidence_threshold (θ_P, used by "
+        "the routes and the teacher KL alike)"]
+    cfg = load_config("experiments/configs/cpu_tiny.yaml", ["learner.optimizer.betas=[0.8,0.9]"])
+    assert tuple(cfg.learner.optimizer.betas) == (0.8, 0.9) and cfg.learner.max_logprob_drift == 0.02  # a default
+
+
+def test_the_typed_sections_own_value_checks_run_at_load_time():
+    assert _problems(["learner.loss.terms=[]"]) == [
+        "  override: learner.loss.terms: is empty: name at least one policy-loss term (null: the default terms)"]
+    assert _problems(["learner.lora={r: 0}"]) == ["  override: learner: LoRA r must be at least 1, got 0"]
+    assert _problems(["data.synthetic.n_entities=10"]) == ["  override: data.synthetic: n_entities must be at least 60, got 10"]
+    assert _problems(["data.synthetic.max_hops=many"]) == ["  override: data.synthetic.max_hops: must be int, got 'many' (str)"]
+    world = load_config(None).data.synthetic  # the default world: small, the rest WorldConfig's defaults
+    assert (world.seed, world.n_entities, world.n_questions, world.max_hops) == (0, 300, 60, 4)
 
 
 @settings(max_examples=50, deadline=None)

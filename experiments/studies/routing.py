@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.cluster import init_ray
-from experiments.config import load_config
 from experiments.evaluate import evaluate, resolve_policy
 from experiments.report import read_jsonl
 from experiments.sft import LR_SCHEDULES, balanced_order, golden_examples, grouped_order, run_sft
@@ -61,9 +60,9 @@ from raggym.data.synthetic import generate_world
 from raggym.models import load_policy, load_policy_tokenizer
 from raggym.retrieval import Retriever, ensure_index
 
-# torch (and experiments.train, which imports it) and matplotlib are imported in the functions that
-# use them: `raggym` imports this module when it starts (the demo's arguments), and they would add
-# about 1.5 s and 0.3 s to every command, --help too.
+# torch (and experiments.train and experiments.config, which import it) and matplotlib are imported
+# in the functions that use them: `raggym` imports this module when it starts (the demo's
+# arguments), and they would add about 1.5 s and 0.3 s to every command, --help too.
 
 REPO = Path(__file__).resolve().parents[2]
 RL_CONFIG = REPO / "experiments" / "configs" / "routing_grpo.yaml"
@@ -388,6 +387,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
 
     With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
     ``task_key`` must match the earlier seed's task settings)."""
+    from experiments.config import load_config  # torch: on use (see the imports)
     from experiments.train import open_runtime, train  # torch: on use (see the imports)
 
     timings: dict[str, float] = {}
