@@ -212,7 +212,8 @@ def mode_logits(model, examples: list[dict], slot: list[int], continuations: lis
         attention[row, width - len(prefix):] = 1
     ids, attention = ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    prefix = model(ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    # logits_to_keep=1: only the last position predicts (a [B, T, V] tensor would be ~60 MB a row in float32)
+    prefix = model(ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
     cache, last = prefix.past_key_values, positions[:, -1:]
     logps = []
     for cont in continuations:
