@@ -124,11 +124,14 @@ def sft_cold_start(cfg, storage: RunStorage, data: RunData) -> dict | None:
     return summary
 
 
-def train(cfg, runtime=None) -> dict:
+def train(cfg, runtime=None, stop_at: float | None = None) -> dict:
     """Run ``cfg`` (from ``load_config``) to ``run.steps``; returns the last step's record.
 
     ``runtime``: an open runtime from ``open_runtime`` to train on and leave open (the next stage
-    resumes on it with ``run.resume=true``); by default the run builds its own and shuts it down."""
+    resumes on it with ``run.resume=true``); by default the run builds its own and shuts it down.
+    ``stop_at``: a ``time.time()`` after which the run checkpoints the step it has just finished
+    and returns early, its record marked ``stopped_early`` (a run split over several sittings: the
+    same config with ``run.resume=true`` goes on from that checkpoint)."""
     validate_config(cfg)
     cfg = copy.deepcopy(cfg)  # the SFT cold start may point policy.model at its output
     if cfg.runtime == "ray":
@@ -259,13 +262,18 @@ def train(cfg, runtime=None) -> dict:
             if cfg.run.dump_trajectories:
                 dump_rollouts(out_dir, step + 1, kept, kept_rewards.tolist(), advantages.tolist())
             every = int(cfg.run.checkpoint_every)
-            if every > 0 and ((step + 1) % every == 0 or step + 1 == steps):
+            stopping = stop_at is not None and time.time() >= stop_at and step + 1 < steps
+            if stopping or (every > 0 and ((step + 1) % every == 0 or step + 1 == steps)):
                 state = {"sampler": sampler.state_dict(), "weight_version": rt.learners.version,
                          "sft_policy_dir": (sft or {}).get("policy_dir")}
                 record["checkpoint"] = str(save_checkpoint(rt.learners, storage, step + 1, state,
                                                            int(cfg.run.keep_checkpoints)))
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", em=f"{record['em']:.2f}")
             last = record
+            if stopping:
+                print(f"[train] stopped after step {step + 1} of {steps} (its time is up); "
+                      f"run.resume=true goes on from {record['checkpoint']}", flush=True)
+                return {**record, "stopped_early": True}
         return last
     finally:
         logger.close()

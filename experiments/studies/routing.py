@@ -32,6 +32,13 @@ reward and graph-share curves over training steps. ``docs/results.md`` records a
 ``--sft-from <earlier --out>`` starts each seed's RL from the SFT policy that earlier run trained
 (its SFT and task settings must match), so RL variants are compared from the same policies.
 
+A seed may take longer than one sitting. ``--max-minutes M`` stops the study once M minutes have
+passed, after the RL step or part of a seed (SFT, an evaluation, a stage) it is in, with exit
+status 3; every finished part is in ``<out>/seed<N>/progress.json`` and the RL run has a checkpoint
+at its last step, so the same command, run again (in another session, after a reboot, or after
+Ctrl-C, which loses the step in progress), goes on from there and redoes nothing. A seed folder
+started with other settings is refused, not mixed.
+
 The same functions run one seed inside ``make demo`` (``experiments.demo``).
 """
 
@@ -382,30 +389,91 @@ def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, se
                    show_progress=show_progress)
 
 
+def empty_progress() -> dict:
+    """A seed's parts before any is done (``SeedProgress``)."""
+    return {"sft": None, "evaluations": {}, "sampled_evaluations": {}, "results": {}, "seconds": {}}
+
+
+class SeedStopped(Exception):
+    """A seed stopped at ``stop_at`` with its progress saved; the same command goes on from there."""
+
+
+class SeedProgress:
+    """What a seed has finished, in ``<seed dir>/progress.json`` (rewritten atomically after each
+    part), so that a seed split over several sittings redoes nothing: the SFT summary, each
+    stage's evaluations (a stage is finished once it is evaluated), the timings. Within a stage
+    the trainer's checkpoints carry on (``run.resume``). ``key``: the seed's settings and task; a seed
+    folder started with another key is an error naming the differences, never a silent mix."""
+
+    def __init__(self, seed_dir: Path, key: dict):
+        self.path, self.key = seed_dir / "progress.json", key
+        self.state = {"settings": key, **empty_progress()}
+        if self.path.exists():
+            try:
+                earlier = json.loads(self.path.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise ValueError(f"{self.path}: not readable JSON ({e}); move it away to start the seed again") from e
+            differing = {k: (earlier["settings"].get(k), v) for k, v in key.items() if earlier["settings"].get(k) != v}
+            if differing:
+                raise ValueError(f"{seed_dir} holds a seed started with other settings (key: (earlier, now)): {differing}; "
+                                 "give another --out, or move that folder away to start again")
+            self.state.update(earlier)
+        elif (seed_dir / "grpo" / "checkpoints").exists():
+            raise ValueError(f"{seed_dir / 'grpo'} holds RL checkpoints but {self.path} does not say which settings "
+                             "trained them; give another --out, or move that folder away to start again")
+
+    def save(self) -> None:
+        atomic_write_json(self.path, self.state)
+
+
 def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwargs: dict, show_progress: bool = True,
-             task_key: dict | None = None) -> dict:
+             task_key: dict | None = None, resumable: bool = False, stop_at: float | None = None) -> dict:
     """Format-only SFT (no mode by question type) -> eval -> stage 1 -> eval -> stage 2 -> eval, for one seed.
 
     With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
-    ``task_key`` must match the earlier seed's task settings)."""
+    ``task_key`` must match the earlier seed's task settings). ``resumable``: record each finished
+    part in ``SeedProgress`` and skip what an earlier invocation finished. ``stop_at``: a
+    ``time.time()`` after which the seed stops at its next step or part boundary (``SeedStopped``)."""
     from experiments.config import load_config  # torch: on use (see the imports)
     from experiments.train import open_runtime, train  # torch: on use (see the imports)
 
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
+    progress = SeedProgress(out, seed_settings_key(s, task_key or {})) if resumable else None
+    done = progress.state if progress else empty_progress()
+    evals, sampled, results, timings = done["evaluations"], done["sampled_evaluations"], done["results"], done["seconds"]
+
+    sitting = {"finished": 0}  # parts finished in this invocation
+
+    def finished(part: str, seconds: float | None = None) -> None:
+        if seconds is not None:
+            timings[part] = round(seconds, 1)
+        if progress:
+            progress.save()
+        sitting["finished"] += 1
+
+    def unless_time_is_up(part: str) -> None:
+        # a sitting finishes at least one part (or RL step) before it stops: every sitting progresses
+        if stop_at is not None and time.time() >= stop_at and sitting["finished"]:
+            raise SeedStopped(f"seed {seed} stopped before {part}")
+
     eval_kwargs = {**eval_kwargs, "max_response_tokens": s.max_response_tokens}  # the rollouts' budget too
     policy = s.policy
     retriever = Retriever.load(task.index_dir)
     tokenizer = load_policy_tokenizer(policy)
-    if s.sft_from:
-        sft = reused_sft(Path(s.sft_from) / f"seed{seed}", s, task_key)
-    else:
-        sft = format_only_sft(task, retriever, tokenizer, s, seed, out / "sft", eval_kwargs, show_progress)
-        timings["sft"] = round(time.perf_counter() - t0, 1)
-    evals, sampled, results = {}, {}, {}
+    if done["sft"] is None:
+        unless_time_is_up("SFT")
+        t0 = time.perf_counter()
+        if s.sft_from:
+            done["sft"] = reused_sft(Path(s.sft_from) / f"seed{seed}", s, task_key)
+        else:
+            done["sft"] = format_only_sft(task, retriever, tokenizer, s, seed, out / "sft", eval_kwargs, show_progress)
+        finished("sft", None if s.sft_from else time.perf_counter() - t0)
+    sft = done["sft"]
     probes = mode_probes(task, retriever, tokenizer, eval_kwargs)
 
     def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
+        if stage in evals:  # evaluated in an earlier sitting
+            return
+        unless_time_is_up(f"the evaluation {stage}")
         t = time.perf_counter()
         # The logit-read mode choice beside the greedy evaluation: it moves with every update,
         # where greedy decoding shows a preference only once it crosses one half. It is computed
@@ -413,15 +481,16 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
         # the engine computes on a core of its own, and this process would otherwise wait.
         with preference_threads(1), ThreadPoolExecutor(1) as pool:
             preference = pool.submit(preference_by_type, policy_dir, tokenizer, probes)
-            evals[stage], results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder,
-                                                           {**eval_kwargs, "seed": seed}, runtime=runtime)
+            evaluation, results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder,
+                                                         {**eval_kwargs, "seed": seed}, runtime=runtime)
             for kind, value in preference.result().items():
-                evals[stage][kind]["graph_preference"] = value
+                evaluation[kind]["graph_preference"] = value
         if s.eval_samples > 0:
             sampled[stage], _ = evaluate_policy(policy_dir, task, out / "eval" / f"{folder}_sampled",
                                                 {**eval_kwargs, "seed": seed, "temperature": s.eval_temperature},
                                                 samples=s.eval_samples, runtime=runtime)
-        timings[f"eval_{folder}"] = round(time.perf_counter() - t, 1)
+        evals[stage] = evaluation  # last: a stage is evaluated once both reads are in
+        finished(f"eval_{folder}", time.perf_counter() - t)
 
     run_dir = out / "grpo"
     total = s.stage1_steps + s.stage2_steps
@@ -440,16 +509,26 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
               for stage, steps in (("stage 1", s.stage1_steps), ("stage 2", total))}
     # One runtime (rollout engine, learner group, retrieval) for every stage and evaluation: a
     # vLLM engine start costs 20-40 s here, and the engine holds the latest weights already.
+    unless_time_is_up("the evaluations and RL")
     t0 = time.perf_counter()
     runtime = open_runtime(stages["stage 1"])
     timings["runtime_start"] = round(time.perf_counter() - t0, 1)
     try:
         evaluate_stage("after SFT", sft["policy_dir"], "sft")
         for stage, cfg in stages.items():
+            name = stage.replace(" ", "")
+            if f"after {stage}" in evals:  # trained and evaluated in an earlier sitting
+                continue
+            # Trains the stage, or goes on from its last checkpoint; a stage trained to its end in
+            # an earlier sitting is only restored, so that the engines hold its weights to evaluate.
+            unless_time_is_up(stage)
             t0 = time.perf_counter()
-            train(cfg, runtime=runtime)
-            timings[stage.replace(" ", "")] = round(time.perf_counter() - t0, 1)
-            evaluate_stage(f"after {stage}", str(run_dir), stage.replace(" ", ""))
+            last = train(cfg, runtime=runtime, stop_at=stop_at)
+            timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 1)  # over the sittings
+            finished(stage)
+            if last.get("stopped_early"):
+                raise SeedStopped(f"seed {seed} stopped in {stage}, after step {last['step']}")
+            evaluate_stage(f"after {stage}", str(run_dir), name)
     finally:
         runtime.shutdown()
     return {"seed": seed, "evaluations": evals, "sampled_evaluations": sampled, "results": results,
@@ -642,9 +721,13 @@ SFT_ORDERS = {
 SFT_MODE_SAMPLING = ("draw", "every")
 
 
+def seed_settings_key(settings: SeedSettings, task_key: dict) -> dict:
+    """What a seed's result depends on besides the seed: its settings and the task's (``_task_key``)."""
+    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()}, **task_key}
+
+
 def _seed_settings_key(settings: SeedSettings, args) -> dict:
-    """What a seed's result depends on besides the seed: its settings and the task's."""
-    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()}, **_task_key(args)}
+    return seed_settings_key(settings, _task_key(args))
 
 
 # what an SFT policy depends on: a reused one must have been trained with the same values
@@ -706,6 +789,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "sft_mode_sampling": SFT_MODE_SAMPLING}.get(name)
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, choices=choices)
     p.add_argument("--lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop after this many minutes, at the next RL step or part of a seed, with every finished "
+                        "part saved (exit status 3); the same command goes on from there")
     p.add_argument("overrides", nargs="*", help="key=value overrides of routing_grpo.yaml")
     return p
 
@@ -714,8 +800,10 @@ EVAL_KWARGS = dict(dialect="routerag", max_response_tokens=96, max_turn_tokens=4
                    workers=1, temperature=0.0, show_progress=False, max_observation_tokens=96)
 
 
-def run(args) -> dict:
+def run(args) -> dict | None:
+    """The study's report, or None when ``--max-minutes`` stopped it first."""
     started = time.perf_counter()
+    stop_at = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     task = build_task(out, seed=args.world_seed, entities=args.entities, questions=args.questions, heldout=args.heldout)
@@ -738,8 +826,13 @@ def run(args) -> dict:
             runs.append(done)
             continue
         _say(f"seed {seed}")
-        runs.append({**run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS, task_key=_task_key(args)),
-                     "settings": _seed_settings_key(settings, args)})
+        try:
+            run = run_seed(task, seed, out / f"seed{seed}", settings, EVAL_KWARGS, task_key=_task_key(args),
+                           resumable=True, stop_at=stop_at)
+        except SeedStopped as stopped:
+            _say(f"{stopped} ({args.max_minutes} minutes are up); the same command goes on from there")
+            return None
+        runs.append({**run, "settings": _seed_settings_key(settings, args)})
         atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
     table, sampled_table = summarise(runs), summarise(runs, "sampled_evaluations")
     report = {"title": "RL teaches routing: SmolLM2-135M on the routing task (CPU)",
@@ -759,8 +852,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    run(build_parser().parse_args(argv))
-    return 0
+    return 0 if run(build_parser().parse_args(argv)) is not None else 3  # 3: stopped by --max-minutes
 
 
 if __name__ == "__main__":
