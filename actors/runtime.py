@@ -70,7 +70,7 @@ def teacher_evidence_tokens(cfg) -> int | None:
     """Tokens of gold evidence in each rollout's recorded teacher prompt when PathRouter's teacher KL
     is on (``learner.loss.teacher_kl``): as many as an observation keeps (``rollout.max_observation_tokens``).
     None when it is off: the rollouts record no teacher prompt."""
-    if not ((cfg.learner or {}).get("loss") or {}).get("teacher_kl"):
+    if not cfg.learner.loss.teacher_kl:
         return None
     return int(cfg.rollout.max_observation_tokens)
 
@@ -119,11 +119,11 @@ def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
 def learner_config(cfg) -> dict:
     """The ``LearnerConfig`` mapping of a config: its ``learner`` section plus the settings the
     trainer takes from other sections (``experiments.config.SET_ELSEWHERE``)."""
-    learner = {**(to_plain(cfg.learner) or {}), "model": cfg.policy.model, "temperature": float(cfg.rollout.temperature),
+    learner = {**to_plain(cfg.learner), "model": cfg.policy.model, "temperature": float(cfg.rollout.temperature),
                "seed": int(cfg.run.seed)}
     reward = to_plain(cfg.get("reward")) or {}
     if "evidence_threshold" in reward:  # θ_P: one key (reward.evidence_threshold) for routes and teacher KL
-        learner["loss"] = {**(learner.get("loss") or {}), "evidence_threshold": float(reward["evidence_threshold"])}
+        learner["loss"] = {**learner["loss"], "evidence_threshold": float(reward["evidence_threshold"])}
     return learner
 
 

@@ -54,6 +54,7 @@ from actors.cluster import init_ray
 from envs import SEARCH_ENV_IDS
 from experiments.judge import make_judge
 from raggym.atomic import atomic_write_json, atomic_write_text
+from raggym.config_nodes import EPISODE_LIMITS, check_runtime_serves
 from raggym.data import DataFormatError, load_corpus, load_questions, write_jsonl
 from raggym.data.splits import split_questions
 from raggym.data.synthetic import generate_world
@@ -478,12 +479,7 @@ def _check_given_runtime(runtime, cfg, datasets: list[dict]) -> None:
     limits asked for here: a mismatch would silently change what is measured."""
     if len(datasets) != 1:
         raise ValueError(f"evaluate on a given runtime takes one dataset (its retrieval serves one corpus), got {len(datasets)}")
-    for key in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens"):
-        theirs, ours = int(runtime.cfg.rollout[key]), int(cfg.rollout[key])
-        if theirs != ours:
-            raise ValueError(f"evaluate: the given runtime was built with rollout.{key}={theirs}, this evaluation asks for {ours}")
-    if runtime.cfg.env.id != cfg.env.id:
-        raise ValueError(f"evaluate: the given runtime runs {runtime.cfg.env.id}, this evaluation's dialect needs {cfg.env.id}")
+    check_runtime_serves(runtime.cfg, cfg, EPISODE_LIMITS, "evaluate")
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:

@@ -43,6 +43,7 @@ from experiments.training import (RunData, episode_requests, golden_steps_for, l
                                   sampling_params, save_checkpoint, step_metrics, dump_rollouts, mode_choice_slot)
 from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
 from raggym.algorithms.batch import assemble_batch, mode_choice_fields, teacher_fields
+from raggym.config_nodes import EPISODE_LIMITS, check_runtime_serves
 from raggym.data.sampler import PromptSampler
 from raggym.learning_log import MetricsLogger
 from raggym.models import load_policy_tokenizer
@@ -68,15 +69,10 @@ def open_runtime(cfg):
 
 def _check_shared_runtime(runtime, cfg) -> None:
     """A runtime from ``open_runtime`` must serve this run: the same policy, engine and rollout limits."""
-    theirs, ours = runtime.cfg, cfg
-    for key in ("policy.model", "rollout.engine", "rollout.max_response_tokens", "rollout.max_turn_tokens",
-                "rollout.max_observation_tokens", "env.id", "runtime"):
-        a, b = OmegaConf.select(theirs, key), OmegaConf.select(ours, key)
-        if a != b:
-            raise ValueError(f"train: the given runtime was built with {key}={a!r}, this run has {key}={b!r}")
+    check_runtime_serves(runtime.cfg, cfg, ("policy.model", "rollout.engine", *EPISODE_LIMITS, "runtime"), "train")
     # The teacher KL reads the teacher prompt the runtime's rollouts record; a runtime built for a run
     # without it records none.
-    if teacher_evidence_tokens(ours) not in (None, teacher_evidence_tokens(theirs)):
+    if teacher_evidence_tokens(cfg) not in (None, teacher_evidence_tokens(runtime.cfg)):
         raise ValueError("train: this run's learner.loss.teacher_kl needs rollouts that record the teacher prompt; "
                          "the given runtime was built without learner.loss.teacher_kl")
     if runtime.learners is None:

@@ -74,3 +74,18 @@ def test_sampler_resumes_exactly(n, size, cut, seed):
     flat = [i for b in expected for i in b]
     for p in range(len(flat) // n):
         assert sorted(flat[p * n : (p + 1) * n]) == list(range(n))
+
+
+def test_a_shared_runtime_serves_only_runs_with_its_episode_limits_and_policy():
+    from raggym.config_nodes import EPISODE_LIMITS, check_runtime_serves
+
+    built = load_config("experiments/configs/cpu_tiny.yaml")
+    check_runtime_serves(built, load_config("experiments/configs/cpu_tiny.yaml", ["run.steps=9"]), EPISODE_LIMITS, "train")
+    for override, key in (("rollout.max_turn_tokens=7", "rollout.max_turn_tokens"), ("env.id=raggym/SearchR1-v0", "env.id")):
+        run = load_config("experiments/configs/cpu_tiny.yaml", [override])
+        with pytest.raises(ValueError, match=rf"evaluate: the given runtime was built with {key}=.*this run asks for {key}="):
+            check_runtime_serves(built, run, EPISODE_LIMITS, "evaluate")
+    other_policy = load_config("experiments/configs/cpu_tiny.yaml", ["policy.model=/elsewhere"])
+    check_runtime_serves(built, other_policy, EPISODE_LIMITS, "evaluate")  # an evaluation names its policy itself
+    with pytest.raises(ValueError, match="policy.model"):
+        check_runtime_serves(built, other_policy, ("policy.model", *EPISODE_LIMITS), "train")
