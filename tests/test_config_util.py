@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from raggym.config_util import dataclass_from_mapping
+from raggym.config_util import dataclass_from_mapping, required_fields
 
 
 @dataclass
@@ -44,6 +44,19 @@ def test_unknown_keys_name_the_key_and_the_section():
         dataclass_from_mapping(Outer, [("steps", 1)])
     with pytest.raises(TypeError, match="needs a dataclass"):
         dataclass_from_mapping(dict, {})
+
+
+@dataclass
+class Staged:
+    start: int
+    scale: float = 1.0
+
+
+def test_a_missing_required_key_is_named():
+    assert required_fields(Staged) == ["start"] and required_fields(Outer) == []
+    assert dataclass_from_mapping(Staged, {"start": 3}) == Staged(start=3)
+    with pytest.raises(ValueError, match=r"missing required reward key\(s\) \['start'\]"):
+        dataclass_from_mapping(Staged, {"scale": 2.0}, "reward")
 
 
 def test_omegaconf_containers_are_accepted():
