@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from raggym.algorithms.advantages import PATHROUTER_ROUTE_WEIGHTS, Route
+from raggym.algorithms.advantages import Route
 from raggym.rewards.outcome import EpisodeOutcome
 
 
@@ -51,7 +51,7 @@ class PathRouterConfig:
     lazy_max_retrievals: int = 1
     timeout_penalty: float = -0.5
     redundant_penalty: float = -0.1  # per redundant retrieval
-    route_weights: tuple[float, float, float, float] = PATHROUTER_ROUTE_WEIGHTS
+    # no route weights: they weigh advantages, not rewards (advantage.route_weights)
 
 
 def is_correct(em: float, f1: float, f1_threshold: float = 0.5) -> bool:

@@ -21,9 +21,12 @@ converted with ``OmegaConf.to_container``)::
 
     {"method": "routerag", "stage2_start": 20, "time_source": "cost"}
     {"method": "lws", "stage2_start": 50, "beta": 0.3}
-    {"method": "graphrag_r1", "sft_steps": 0, "phase3_start": 100, "pra_decay": 0.5}
+    {"method": "graphrag_r1", "phase3_start": 100, "pra_decay": 0.5}
 
-Unknown keys raise ``ValueError`` naming the key.
+``method`` picks the reward; the other keys are the fields of its section dataclass
+(``REWARD_SECTIONS``: the schedule's own keys and the reward's config). The training config checks
+its ``reward:`` section against that dataclass (``experiments.config``); here an unknown or
+missing required key raises ``ValueError`` naming the key.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from raggym.config_util import dataclass_from_mapping
+from raggym.judge import JudgeConfig
 from raggym.rewards.graphrag_r1 import GraphRAGR1Config, graphrag_r1_batch_rewards
 from raggym.rewards.lws import Embedder, Judge, LWSConfig, lws_batch_rewards
 from raggym.rewards.metrics import exact_match
@@ -177,20 +182,57 @@ def r1_router_schedule(embed: Embedder) -> RewardSchedule:
                           {"main": lambda outcomes: r1_router_step_rewards(outcomes, embed)})
 
 
-def _split_config(method: str, cfg: Mapping[str, Any], schedule_keys: set[str], config_cls):
-    config_keys = {f.name for f in dataclasses.fields(config_cls)} if config_cls else set()
-    unknown = sorted(set(cfg) - schedule_keys - config_keys - {"method"})
-    if unknown:
-        allowed = ", ".join(sorted(schedule_keys | config_keys))
-        raise ValueError(f"{method} reward config: unknown key(s) {unknown}; allowed: {allowed}")
-    kwargs = {}
-    for k in config_keys & set(cfg):
-        value = cfg[k]
-        if isinstance(value, list):
-            value = tuple(value)
-        kwargs[k] = value
-    config = config_cls(**kwargs) if config_cls else None
-    return config, {k: cfg[k] for k in schedule_keys & set(cfg)}
+# ----------------------------------------------------------------------------- config sections
+# The ``reward:`` keys of each method, less ``method`` itself. A section is (a subclass of) the
+# reward's config, so the built section is the config its reward functions read.
+
+
+@dataclass(frozen=True)
+class RouteRAGSection(RouteRAGConfig):
+    stage2_start: int = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class LWSSection(LWSConfig):
+    stage2_start: int
+    embedder: str = "minilm"  # the query embedder's spec; the trainer turns it into ``embed``
+    judge: JudgeConfig | None = None  # an LLM judge the trainer builds (None: ``correct_if``)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphRAGR1Section(GraphRAGR1Config):
+    # no sft_steps: phase 1, the SFT cold start, is the trainer's sft: section
+    phase3_start: int
+
+
+@dataclass(frozen=True)
+class R1RouterSection:
+    embedder: str = "minilm"  # the sub-question embedder's spec; the trainer turns it into ``embed``
+
+
+@dataclass(frozen=True)
+class SearchR1Section:
+    """Exact match has no settings."""
+
+
+# method -> its section dataclass; register_reward_schedule adds custom methods that have one
+REWARD_SECTIONS: dict[str, type] = {
+    "routerag": RouteRAGSection, "lws": LWSSection, "graphrag_r1": GraphRAGR1Section,
+    "pathrouter": PathRouterConfig, "search_r1": SearchR1Section, "r1_router": R1RouterSection}
+BUILTIN_METHODS = tuple(REWARD_SECTIONS)
+# method name -> builder(its section, or its options without "method") -> RewardSchedule
+CUSTOM_SCHEDULES: dict[str, Callable[[Any], RewardSchedule]] = {}
+
+
+def reward_methods() -> list[str]:
+    """Every method ``reward_schedule_from_config`` can build: the built-in and the registered ones."""
+    return sorted({*BUILTIN_METHODS, *CUSTOM_SCHEDULES})
+
+
+def reward_section(method: str) -> type | None:
+    """The section dataclass of ``method``'s keys; None for an unknown method, or one registered
+    without a section (its builder checks its keys)."""
+    return REWARD_SECTIONS.get(method) if method in reward_methods() else None
 
 
 def reward_schedule_from_config(
@@ -198,54 +240,50 @@ def reward_schedule_from_config(
 ) -> RewardSchedule:
     """Build a ``RewardSchedule`` from a plain mapping (see the module docstring)."""
     method = cfg.get("method")
-    if method == "routerag":
-        config, sched = _split_config(method, cfg, {"stage2_start"}, RouteRAGConfig)
-        return routerag_schedule(int(sched.get("stage2_start", 20)), config)
-    if method == "lws":
-        config, sched = _split_config(method, cfg, {"stage2_start"}, LWSConfig)
-        if "stage2_start" not in sched:
-            raise ValueError("lws reward config: 'stage2_start' is required")
-        return lws_schedule(int(sched["stage2_start"]), config, embed=embed, judge=judge)
-    if method == "graphrag_r1":
-        config, sched = _split_config(method, cfg, {"phase3_start", "sft_steps"}, GraphRAGR1Config)
-        if "phase3_start" not in sched:
-            raise ValueError("graphrag_r1 reward config: 'phase3_start' is required")
-        return graphrag_r1_schedule(
-            int(sched["phase3_start"]), int(sched.get("sft_steps", 0)), config
-        )
-    if method == "pathrouter":
-        config, _ = _split_config(method, cfg, set(), PathRouterConfig)
-        return pathrouter_schedule(config)
-    if method == "search_r1":
-        _split_config(method, cfg, set(), None)
-        return exact_match_schedule()
-    if method == "r1_router":
-        _split_config(method, cfg, {"embedder"}, None)  # the embedder spec is resolved by the caller
-        if embed is None:
-            raise ValueError("r1_router reward: needs an embedder (sub-question similarity)")
-        return r1_router_schedule(embed)
+    if method not in reward_methods():
+        raise ValueError(f"unknown reward method {method!r}; expected one of {', '.join(reward_methods())}")
+    options = {k: v for k, v in cfg.items() if k != "method"}
+    section = reward_section(method)
+    settings = dataclass_from_mapping(section, options, f"{method} reward") if section else options
     if method in CUSTOM_SCHEDULES:
-        return CUSTOM_SCHEDULES[method]({k: v for k, v in cfg.items() if k != "method"})
-    raise ValueError(
-        f"unknown reward method {method!r}; expected one of routerag, lws, graphrag_r1, "
-        f"pathrouter, search_r1, r1_router{''.join(', ' + m for m in CUSTOM_SCHEDULES)}"
-    )
+        return CUSTOM_SCHEDULES[method](settings)
+    return _builtin_schedule(method, settings, embed, judge)
 
 
-BUILTIN_METHODS = ("routerag", "lws", "graphrag_r1", "pathrouter", "search_r1", "r1_router")
-# method name -> builder(options without "method") -> RewardSchedule; see register_reward_schedule
-CUSTOM_SCHEDULES: dict[str, Callable[[dict], RewardSchedule]] = {}
+def _builtin_schedule(method: str, section, embed: Embedder | None, judge: Judge | None) -> RewardSchedule:
+    if method == "routerag":
+        return routerag_schedule(section.stage2_start, section)
+    if method == "lws":
+        return lws_schedule(section.stage2_start, section, embed=embed, judge=judge)
+    if method == "graphrag_r1":
+        return graphrag_r1_schedule(section.phase3_start, config=section)
+    if method == "pathrouter":
+        return pathrouter_schedule(section)
+    if method == "search_r1":
+        return exact_match_schedule()
+    if embed is None:  # r1_router
+        raise ValueError("r1_router reward: needs an embedder (sub-question similarity)")
+    return r1_router_schedule(embed)
 
 
-def register_reward_schedule(method: str, builder: Callable[[dict], RewardSchedule], *, replace: bool = False) -> None:
+def register_reward_schedule(method: str, builder: Callable[[Any], RewardSchedule], *,
+                             section: type | None = None, replace: bool = False) -> None:
     """Let ``reward_schedule_from_config({"method": method, ...})`` build a new reward.
 
-    ``builder`` receives the remaining config keys as a dict and returns a ``RewardSchedule``; it
-    should reject keys it does not know. Built-in method names cannot be taken."""
+    ``section``, a dataclass of the method's keys, makes the training config check them when it
+    loads (unknown keys, types) like every other section's, and ``builder`` receives an instance
+    of it. Without one, ``builder`` receives the remaining config keys as a dict and should reject
+    keys it does not know. Either way it returns a ``RewardSchedule``. Built-in method names
+    cannot be taken."""
     if not isinstance(method, str) or not method:
         raise ValueError("the reward method name must be a non-empty string")
     if method in BUILTIN_METHODS or (method in CUSTOM_SCHEDULES and not replace):
         raise ValueError(f"reward method {method!r} is already registered")
     if not callable(builder):
         raise TypeError(f"builder for {method!r} must be callable")
+    if section is not None and not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+        raise TypeError(f"the section of {method!r} must be a dataclass, got {section!r}")
     CUSTOM_SCHEDULES[method] = builder
+    REWARD_SECTIONS.pop(method, None)
+    if section is not None:
+        REWARD_SECTIONS[method] = section
