@@ -16,8 +16,10 @@ A config is the ``TrainConfig`` defaults, then a YAML file, then ``key=value`` o
 * **Open sections** are ``dict`` fields whose keys depend on another key's value, which a dataclass
   field cannot say: ``reward`` (the schedule of ``reward.method``), ``env.kwargs`` and
   ``eval.env_kwargs`` (the constructor registered for ``env.id``) and ``rollout.engine_kwargs``
-  (the class of ``rollout.engine``). ``experiments.config_schema`` checks them against the class or
-  signature they are passed to.
+  (the class of ``rollout.engine``). ``experiments.config_schema`` picks the dataclass of each (the
+  reward's section, or one made from the constructor's signature), and OmegaConf checks the section
+  against it as it checks the typed sections, with the same errors (``_open_section_errors``). The
+  config keeps what the user wrote there, converted to the dataclass's types, not its defaults.
 * **Open registries**: ``method``/``reward.method`` (built-ins or ``register_reward_schedule``),
   ``advantage.estimator`` (``register_advantage_estimator``), ``env.id`` (gymnasium's registry)
   and ``rollout.engine`` (``hf``, ``vllm``, ``vllm-async``, ``register_engine`` or ``"module:Class"``).
@@ -46,14 +48,14 @@ from omegaconf.errors import ConfigKeyError, ConfigTypeError, OmegaConfBaseExcep
 
 import envs
 from actors.learner.config import LearnerConfig
-from experiments.config_schema import (cannot_set_here, dataclass_in, get_path, leaf_from_type, leaf_paths,
-                                       open_section_errors, unknown_key)
+from experiments.config_schema import open_sections
 from raggym.algorithms.policy_loss import PolicyLossConfig
 from raggym.config_nodes import ConfigError, to_plain  # noqa: F401  (part of this module's API)
-from raggym.config_util import dataclass_from_mapping
+from raggym.config_util import dataclass_from_mapping, describe_type, required_fields
 from raggym.data.synthetic import WorldConfig
 from raggym.models import LoraSettings
 from raggym.protocol import get_dialect
+from raggym.rewards.schedules import reward_section
 
 STEPWISE_ENV = "raggym/MultiKBRoute-v0"  # R1-Router's env: its episodes run step-wise
 
@@ -65,6 +67,9 @@ SET_ELSEWHERE = {
     "learner.seed": "set run.seed",
     # θ_P is one value: the PathRouter routes (reward/advantage) and the teacher-KL selection.
     "learner.loss.evidence_threshold": "set reward.evidence_threshold (θ_P, used by the routes and the teacher KL alike)",
+    # keys of the reward configs that no reward section has (raggym.rewards.schedules)
+    "reward.sft_steps": "the SFT cold start is the sft: section (sft.enabled, sft.epochs)",
+    "reward.route_weights": "set advantage.route_weights",
 }
 
 
@@ -277,10 +282,10 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     elif mode_entropy_coef > 0 and not mode_slot_of(env_id):
         errs.append(("learner.loss.mode_entropy_coef", f"{env_id}'s searches name no retrieval mode for the bonus to "
                                                        "act on (RouteRAG's do)"))
-    if method == "lws" and c["reward"].get("stage2_start") is None:
-        errs.append(("reward.stage2_start", "is required for lws"))
-    if method == "graphrag_r1" and c["reward"].get("phase3_start") is None:
-        errs.append(("reward.phase3_start", "is required for graphrag_r1"))
+    section = reward_section(c["reward"].get("method"))
+    for key in required_fields(section) if section else ():
+        if c["reward"].get(key) is None:
+            errs.append((f"reward.{key}", f"is required for {c['reward']['method']}"))
     if c["runtime"] == "local":
         for key in ("rollout.workers", "rollout.env_runners", "num_learners"):
             value = get_path(c, key.split("."))
@@ -313,50 +318,110 @@ _Source = tuple[str, Mapping]  # (name, the plain mapping it contributed)
 _ABSENT = object()
 
 
-def _field_type(dotted: str):
-    """The annotation of a fixed-section key (``TrainConfig`` itself for ""), or None."""
-    tp: Any = TrainConfig
+def get_path(tree, parts: Sequence[str], default=None):
+    """``tree[parts[0]][parts[1]]...``, or ``default`` where a part is missing."""
+    for part in parts:
+        if not isinstance(tree, Mapping) or part not in tree:
+            return default
+        tree = tree[part]
+    return tree
+
+
+def leaf_paths(value, prefix: str = "") -> list[str]:
+    """The dotted path of every leaf of a nested mapping (an empty mapping is a leaf)."""
+    if isinstance(value, Mapping) and value:
+        return [p for k, v in value.items() for p in leaf_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+    return [prefix]
+
+
+def _nested(dotted: str, value) -> dict:
+    """``value`` at the dotted path of a new tree: ``{"a": {"b": value}}`` for "a.b"."""
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
+
+
+def dataclass_in(tp):
+    """The dataclass ``tp`` is, or is optional of; None if neither."""
+    return next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+
+
+def _field_type(root: type, dotted: str):
+    """The annotation of a key of the dataclass ``root`` (``root`` itself for ""), or None."""
+    tp: Any = root
     for part in filter(None, dotted.split(".")):
         cls = dataclass_in(tp)
         tp = typing.get_type_hints(cls).get(part) if cls else None
     return tp
 
 
-def _translate(exc: OmegaConfBaseException, leaf: str, tree: Mapping) -> tuple[str, str]:
+def _translate(exc: OmegaConfBaseException, leaf: str, tree: Mapping, root: type) -> tuple[str, str]:
     """OmegaConf's error for merging ``leaf`` of a source as (dotted key, problem) in our wording."""
     key = re.sub(r"\[\d+\]", "", exc.full_key or "") or leaf  # a list item's error is the list's
     if isinstance(exc, ConfigKeyError):
         if key in SET_ELSEWHERE:
-            return key, cannot_set_here(SET_ELSEWHERE[key])
+            return key, f"cannot be set here: {SET_ELSEWHERE[key]}"
         parent, _, name = key.rpartition(".")
-        section = dataclass_in(_field_type(parent))
-        return leaf, unknown_key(leaf, name, parent, [f.name for f in dataclasses.fields(section)] if section else [])
+        section = dataclass_in(_field_type(root, parent))
+        known = sorted(f.name for f in dataclasses.fields(section)) if section else []
+        where = f"under '{parent}'" if parent else f"at the top level (unknown config sections ['{name}'])"
+        return leaf, f"unknown config key '{leaf}': no '{name}' {where}; known: {known}"
     value = get_path(tree, key.split("."))
-    expected = leaf_from_type(_field_type(key))
-    return key, f"must be {expected.describe() if expected else 'a section (a mapping)'}, got {value!r} ({type(value).__name__})"
+    return key, f"must be {describe_type(_field_type(root, key))}, got {value!r} ({type(value).__name__})"
 
 
-def _merge(cfg: DictConfig, name: str, tree: Mapping, problems: list[_Problem]) -> DictConfig:
-    """``cfg`` with ``tree`` merged over it; every key OmegaConf refuses becomes a problem."""
+def _merge(cfg: DictConfig, name: str, tree: Mapping, problems: list[_Problem], root: type = TrainConfig) -> DictConfig:
+    """``cfg``, structured from ``root``, with ``tree`` merged over it; every key OmegaConf refuses
+    becomes a problem."""
     try:
         return OmegaConf.merge(cfg, tree)
     except (ValidationError, ConfigKeyError, ConfigTypeError):
         pass  # OmegaConf stops at the first bad key: merge key by key to name every one
     for leaf in leaf_paths(tree):
-        nested = get_path(tree, leaf.split("."))
-        for part in reversed(leaf.split(".")):
-            nested = {part: nested}
         try:
-            cfg = OmegaConf.merge(cfg, nested)
+            cfg = OmegaConf.merge(cfg, _nested(leaf, get_path(tree, leaf.split("."))))
         except (ValidationError, ConfigKeyError, ConfigTypeError) as exc:
-            problems.append((name, *_translate(exc, leaf, tree)))
+            problems.append((name, *_translate(exc, leaf, tree, root)))
     return cfg
 
 
-def _report(cfg: DictConfig, sources: Sequence[_Source], problems: list[_Problem]) -> None:
-    """Add the open-section and (if all else is valid) cross-section problems; raise if any."""
+def _placed_at(dotted: str, section: type) -> type:
+    """A dataclass holding ``section`` at the dotted path, so that OmegaConf's errors name whole keys."""
+    for part in reversed(dotted.split(".")):
+        section = dataclasses.make_dataclass(f"{part}_holder", [(part, section)])
+    return section
+
+
+def _as_written(checked, written):
+    """The keys of ``written`` with their ``checked`` values: the types converted, no default added."""
+    if isinstance(written, Mapping) and isinstance(checked, Mapping):
+        return {k: _as_written(checked[k], v) for k, v in written.items()}
+    return checked
+
+
+def _open_section_errors(c: dict) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The registries' and open sections' problems, and each valid section's checked value by path:
+    OmegaConf merges each section into its dataclass (``experiments.config_schema``) as it merges a
+    source into the defaults."""
+    errors, sections = open_sections(c)
+    checked = {}
+    for path, section in sections.items():
+        value = get_path(c, path.split("."))
+        if path == "reward":  # reward.method picks the section; open_sections checked the name
+            value = {k: v for k, v in value.items() if k != "method"}
+        found, root = [], _placed_at(path, section)
+        merged = _merge(OmegaConf.structured(root), "", _nested(path, value), found, root)
+        errors += [(key, problem) for _, key, problem in found]
+        if not found:
+            checked[path] = _as_written(OmegaConf.to_container(OmegaConf.select(merged, path)), value)
+    return errors, checked
+
+
+def _report(cfg: DictConfig, sources: Sequence[_Source], problems: list[_Problem]) -> dict[str, Any]:
+    """Add the open-section and (if all else is valid) cross-section problems; raise if any, else
+    return the open sections' checked values by path."""
     c = OmegaConf.to_container(cfg, resolve=True)
-    found = open_section_errors(c)
+    found, checked = _open_section_errors(c)
     if not problems and not found:
         found = _value_errors(c) + _cross_errors(c)
 
@@ -371,6 +436,7 @@ def _report(cfg: DictConfig, sources: Sequence[_Source], problems: list[_Problem
     if problems:
         lines = [f"{src}: {p}" if p.startswith("unknown config key") else f"{src}: {k}: {p}" for src, k, p in problems]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    return checked
 
 
 @functools.lru_cache(maxsize=1)
@@ -383,7 +449,8 @@ def _build(sources: Sequence[_Source]) -> DictConfig:
     cfg, problems = copy.deepcopy(_defaults()), []
     for name, tree in sources:
         cfg = _merge(cfg, name, tree, problems)
-    _report(cfg, sources, problems)
+    for path, value in _report(cfg, sources, problems).items():
+        OmegaConf.update(cfg, path, value, merge=True)  # the values as checked: "3" for an int is 3
     return cfg
 
 

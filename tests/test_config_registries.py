@@ -4,6 +4,7 @@ configs built in Python and edited configs are checked like loaded ones."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import gymnasium
@@ -50,6 +51,43 @@ def test_a_registered_reward_method_is_accepted_and_its_keys_reach_its_builder(e
     assert "override: method: unknown method 'em_kost'" in message
     assert "override: reward.method: unknown reward method 'em_kost'" in message
     assert "'em_cost'" in message and "'routerag'" in message and "'r1_router'" in message
+
+
+@dataclass(frozen=True)
+class EMCostKeys:
+    cost: float = 0.1
+
+
+def _custom_reward_of_section(options: EMCostKeys):
+    return _custom_reward({"cost": options.cost})
+
+
+@pytest.fixture
+def typed_em_cost_reward():
+    from raggym.rewards.schedules import CUSTOM_SCHEDULES, REWARD_SECTIONS, register_reward_schedule
+
+    register_reward_schedule("em_cost_typed", _custom_reward_of_section, section=EMCostKeys)
+    yield "em_cost_typed"
+    CUSTOM_SCHEDULES.pop("em_cost_typed", None)
+    REWARD_SECTIONS.pop("em_cost_typed", None)
+
+
+def test_a_reward_registered_with_a_section_has_its_keys_checked_at_load(typed_em_cost_reward):
+    from raggym.rewards import EpisodeOutcome
+    from raggym.rewards.schedules import register_reward_schedule, reward_schedule_from_config
+
+    typed = [f"method={typed_em_cost_reward}", f"reward.method={typed_em_cost_reward}"]
+    cfg = load_config(TINY, [*typed, "reward.cost=0.25"])
+    schedule = reward_schedule_from_config(to_plain(cfg.reward))  # the builder gets an EMCostKeys
+    right = EpisodeOutcome(answer="Paris", gold_answers=("Paris",), queries=("a", "b"))
+    assert schedule(0)([right]) == [pytest.approx(0.5)]
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [*typed, "reward.cost=cheap", "reward.cots=1"])
+    assert str(err.value).splitlines()[1:] == [
+        "  override: reward.cost: must be float, got 'cheap' (str)",
+        "  override: unknown config key 'reward.cots': no 'cots' under 'reward'; known: ['cost']"]
+    with pytest.raises(TypeError, match="must be a dataclass"):
+        register_reward_schedule("em_cost_untyped", _custom_reward, section=dict)
 
 
 @pytest.fixture

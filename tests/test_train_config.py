@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.config import ConfigError, load_config
+from experiments.config import ConfigError, config_from_dict, load_config
 from raggym.data.sampler import PromptSampler
 
 
@@ -54,6 +54,26 @@ def test_the_typed_sections_own_value_checks_run_at_load_time():
     assert _problems(["data.synthetic.max_hops=many"]) == ["  override: data.synthetic.max_hops: must be int, got 'many' (str)"]
     world = load_config(None).data.synthetic  # the default world: small, the rest WorldConfig's defaults
     assert (world.seed, world.n_entities, world.n_questions, world.max_hops) == (0, 300, 60, 4)
+
+
+def test_the_reward_section_is_typed_by_its_method():
+    assert _problems(["reward.stage2_start=abc"]) == ["  override: reward.stage2_start: must be int, got 'abc' (str)"]
+    configs = "experiments/configs/"
+    with pytest.raises(ConfigError, match=r"override: reward.sft_steps: cannot be set here: the SFT cold start is "
+                                          r"the sft: section \(sft.enabled, sft.epochs\)"):
+        load_config(configs + "graphrag_r1_tiny.yaml", ["reward.sft_steps=2"])
+    with pytest.raises(ConfigError, match=r"override: reward.route_weights: cannot be set here: set advantage.route_weights"):
+        load_config(configs + "pathrouter_tiny.yaml", ["reward.route_weights=[1.0,1.0,1.0,1.0]"])
+    with pytest.raises(ConfigError, match=r"override: unknown config key 'reward.judge.modle': no 'modle' under "
+                                          r"'reward.judge'; known: \['device', 'engine', 'max_new_tokens', 'model'\]"):
+        load_config(configs + "lws_tiny.yaml", ["reward.judge.modle=policy"])
+    with pytest.raises(ConfigError, match=r"demo: reward.stage2_start: is required for lws"):
+        config_from_dict({"method": "lws", "reward": {"method": "lws"}, "env": {"id": "raggym/LWS-v0"}}, source="demo")
+
+
+def test_open_sections_keep_the_keys_written_with_the_types_checked():
+    cfg = config_from_dict({"env": {"kwargs": {"top_k": "3"}}, "reward": {"stage2_start": "5"}})
+    assert cfg.env.kwargs == {"top_k": 3} and cfg.reward == {"method": "routerag", "stage2_start": 5}
 
 
 @settings(max_examples=50, deadline=None)
