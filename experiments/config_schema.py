@@ -16,7 +16,6 @@ estimators, policy-loss terms, env ids, engines).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import typing
 from typing import Any, Optional
@@ -25,7 +24,7 @@ import gymnasium
 from gymnasium.envs.registration import load_env_creator
 
 import envs  # noqa: F401  (registers the raggym ids)
-from actors.engines.rollout_worker import ENGINE_FACTORIES
+from actors.engines.rollout_worker import engine_factory
 from actors.engines.vllm_engine import engine_arguments
 from raggym.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from raggym.algorithms.policy_loss import get_policy_loss_term
@@ -37,8 +36,6 @@ _ENV_SUPPLIED = ("retriever", "questions", "dialect", "reward_fn", "corpus", "pr
                  "max_episode_tokens", "render_mode", "question_order", "knowledge_bases",
                  "knowledge_base_modes", "gold_knowledge_base_names")
 _ENGINE_SUPPLIED = ("model", "tokenizer", "weight_version")
-_ENGINES = {"hf": "actors.engines.hf:HFEngine", "vllm": "actors.engines.vllm_engine:VLLMEngine",
-            "vllm-async": "actors.engines.vllm_async:AsyncVLLMEngine"}
 
 
 class _BadKey(ValueError):
@@ -95,17 +92,10 @@ def _env_section(c: dict) -> Optional[type]:
 
 def _engine_section(c: dict) -> Optional[type]:
     name = c["rollout"]["engine"]
-    if name in ENGINE_FACTORIES:
-        target = ENGINE_FACTORIES[name]
-    elif name in _ENGINES or ":" in name:
-        module, _, attr = _ENGINES.get(name, name).partition(":")
-        try:
-            target = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise _BadKey("rollout.engine", f"cannot import engine {name!r}: {exc}") from exc
-    else:
-        raise _BadKey("rollout.engine", f"unknown engine {name!r}; known: {[*_ENGINES, *ENGINE_FACTORIES]} or "
-                                        "'module:Class' (add one with actors.engines.register_engine)")
+    try:
+        target = engine_factory(name)
+    except ValueError as exc:
+        raise _BadKey("rollout.engine", str(exc)) from exc
     if name in ("vllm", "vllm-async"):
         return _vllm_section(target)
     # a factory function's keyword arguments go wherever it sends them: accept any

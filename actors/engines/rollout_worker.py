@@ -27,6 +27,7 @@ actor that Ray has reconstructed.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 from typing import Sequence
 
@@ -36,48 +37,43 @@ from envs.session_adapter import as_session_engine
 
 # name -> factory(**kwargs) -> engine; filled by register_engine
 ENGINE_FACTORIES: dict = {}
+# the built-in engines, as import strings: a module is imported only when its engine is used
+BUILTIN_ENGINES = {"hf": "actors.engines.hf:HFEngine", "vllm": "actors.engines.vllm_engine:VLLMEngine",
+                   "vllm-async": "actors.engines.vllm_async:AsyncVLLMEngine"}
 
 
 def register_engine(name: str, factory, *, replace: bool = False) -> None:
     """Make ``make_engine(name, **kwargs)`` (and so ``RolloutWorker(engine=name)``) build
     ``factory(**kwargs)``. Registration is per process; for Ray actors pass the engine as an
     import string ``"package.module:Factory"`` instead, which every process can resolve."""
-    if name in ("hf", "vllm", "vllm-async") or (name in ENGINE_FACTORIES and not replace):
+    if name in BUILTIN_ENGINES or (name in ENGINE_FACTORIES and not replace):
         raise ValueError(f"engine {name!r} is already registered")
     if not callable(factory):
         raise TypeError(f"engine factory for {name!r} must be callable")
     ENGINE_FACTORIES[name] = factory
 
 
-def make_engine(engine: str = "hf", **kwargs):
-    """Build an engine by name: ``"hf"`` (``HFEngine``), ``"vllm"`` (``VLLMEngine``), ``"vllm-async"``
-    (``AsyncVLLMEngine``, the continuously batching ``SessionEngine`` on GPU), a name
-    given to ``register_engine``, or an import string ``"module:callable"``."""
-    if engine == "hf":
-        from actors.engines.hf import HFEngine
-
-        return HFEngine(**kwargs)
-    if engine == "vllm":
-        from actors.engines.vllm_engine import VLLMEngine
-
-        return VLLMEngine(**kwargs)
-    if engine == "vllm-async":
-        from actors.engines.vllm_async import AsyncVLLMEngine
-
-        return AsyncVLLMEngine(**kwargs)
+def engine_factory(engine: str):
+    """What ``make_engine(engine, ...)`` calls: ``HFEngine`` for ``"hf"``, ``VLLMEngine`` for
+    ``"vllm"``, ``AsyncVLLMEngine`` (the continuously batching ``SessionEngine`` on GPU) for
+    ``"vllm-async"``, a factory given to ``register_engine``, or the callable an import string
+    ``"module:callable"`` names. ``ValueError`` for an unknown name or an import that fails."""
     if engine in ENGINE_FACTORIES:
-        return ENGINE_FACTORIES[engine](**kwargs)
-    if isinstance(engine, str) and ":" in engine:
-        import importlib
-
-        module, _, attr = engine.partition(":")
+        return ENGINE_FACTORIES[engine]
+    if engine in BUILTIN_ENGINES or (isinstance(engine, str) and ":" in engine):
+        module, _, attr = BUILTIN_ENGINES.get(engine, engine).partition(":")
         try:
-            factory = getattr(importlib.import_module(module), attr)
+            return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot import engine {engine!r}: {exc}") from exc
-        return factory(**kwargs)
-    known = ", ".join(["'hf'", "'vllm'", "'vllm-async'", *(repr(n) for n in ENGINE_FACTORIES)])
-    raise ValueError(f"unknown engine {engine!r}; expected {known} or 'module:callable'")
+    known = [*BUILTIN_ENGINES, *ENGINE_FACTORIES]
+    raise ValueError(f"unknown engine {engine!r}; known: {known} or 'module:callable' (add one with "
+                     "actors.engines.register_engine)")
+
+
+def make_engine(engine: str = "hf", **kwargs):
+    """Build an engine by name (``engine_factory``)."""
+    return engine_factory(engine)(**kwargs)
 
 
 class WeightsNotSyncedError(RuntimeError):
