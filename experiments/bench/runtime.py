@@ -62,15 +62,12 @@ console script's own guarded entry, as vLLM's spawned engine core needs.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import json
 import os
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 
 import psutil
@@ -78,14 +75,24 @@ import ray
 import torch
 
 from actors.cluster import init_ray
-from actors.engines.base import SamplingParams, derive_seed
+from actors.engines.base import SamplingParams
 from actors.engines.hf import HFEngine
 from actors.engines.vllm_async import AsyncVLLMEngine
-from actors.engines.vllm_engine import import_vllm, sampling_kwargs
 from actors.learner import token_logprobs
 from actors.retrieval_service import start_retrieval_service
 from envs import RagSearchEnv
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
+from experiments.bench._rollout_runs import (
+    TimedRetrieval,
+    counted_on_vllm,
+    hf_plain_generate,
+    plain_spec,
+    ratio,
+    rollout_summary,
+    run_timed_rollout,
+    run_with_vllm,
+    vllm_plain_generate,
+)
 from raggym.data.synthetic import generate_world
 from raggym.models import load_policy
 from raggym.retrieval import Retriever
@@ -99,28 +106,6 @@ MIB = 1024 * 1024
 
 DEMO_ROLLOUT = dict(max_response_tokens=160, max_turn_tokens=64, max_observation_tokens=64)
 DEMO_ENV = dict(dialect="routerag", top_k=2, retrieval_budget=2, max_observation_chars=400)
-
-
-class TimedRetrieval:
-    """The local rollout backend, adding up the seconds its retrieval batches take."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.retrieval_seconds = 0.0
-        self.serial_retrieval = inner.serial_retrieval
-
-    async def generate(self, *args):
-        return await self.inner.generate(*args)
-
-    def end_session(self, session_id):
-        self.inner.end_session(session_id)
-
-    async def retrieve(self, requests):
-        t = time.perf_counter()
-        try:
-            return await self.inner.retrieve(requests)
-        finally:
-            self.retrieval_seconds += time.perf_counter() - t
 
 
 # ---------------------------------------------------------------------------- pure helpers
@@ -139,13 +124,6 @@ def pooled_tok_s(runs: Sequence[dict], tokens_key: str = "model_tokens", seconds
     """Tokens per second over several runs: the sum of their tokens over the sum of their seconds."""
     seconds = sum(r[seconds_key] for r in runs)
     return sum(r[tokens_key] for r in runs) / seconds if seconds > 0 else float("nan")
-
-
-def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
-    """``a / b`` rounded, or None when either side is missing or ``b`` is 0."""
-    if a is None or b is None or b == 0:
-        return None
-    return round(a / b, digits)
 
 
 def logprob_drift(sampled: Sequence[Sequence[float]], recomputed: Sequence[Sequence[float]],
@@ -206,41 +184,6 @@ class PeakRss:
         return False
 
 
-def cpu_seconds_by_process(process: psutil.Process | None = None) -> dict[str, float]:
-    """CPU seconds (user + system) so far of a process (``"main"``) and of its live descendants,
-    summed by process name (vLLM names its own: ``VLLM::EngineCore``, ``VLLM::Worker``)."""
-    process = process or psutil.Process()
-    out = {"main": sum(process.cpu_times()[:2])}
-    for child in process.children(recursive=True):
-        try:
-            name, seconds = child.name(), sum(child.cpu_times()[:2])
-        except psutil.Error:  # it exited meanwhile
-            continue
-        out[name] = out.get(name, 0.0) + seconds
-    return out
-
-
-def cpu_seconds_since(before: dict[str, float]) -> dict[str, float]:
-    """Per process name, the CPU seconds spent since ``before`` (``cpu_seconds_by_process()``)."""
-    return {name: round(seconds - before.get(name, 0.0), 3) for name, seconds in cpu_seconds_by_process().items()}
-
-
-ENGINE_COUNTERS = {"vllm:iteration_tokens_total": "steps", "vllm:prompt_tokens": "prompt_tokens",
-                   "vllm:prompt_tokens_cached": "prompt_tokens_cached", "vllm:generation_tokens": "generation_tokens",
-                   "vllm:num_preemptions": "preemptions"}
-
-
-def engine_counters(metrics) -> dict[str, int]:
-    """vLLM's own counters from a metrics snapshot: engine steps (iterations), prompt tokens (and how
-    many of them came from the prefix cache), generated tokens, preemptions."""
-    out = dict.fromkeys(ENGINE_COUNTERS.values(), 0)
-    for metric in metrics:
-        key = ENGINE_COUNTERS.get(metric.name)
-        if key is not None:
-            out[key] += int(metric.count if key == "steps" else metric.value)  # a histogram counts its steps
-    return out
-
-
 def child_processes() -> list[dict]:
     """This process's descendants: pid, name, RSS, threads and the CPUs each may run on."""
     out = []
@@ -263,16 +206,6 @@ def _episodes(retriever, questions, group_size: int):
     return requests, [RagSearchEnv(retriever, questions, **DEMO_ENV) for _ in requests]
 
 
-def _summary(trajs, seconds: float, cpu_seconds: float, retrieval_seconds: float) -> dict:
-    tokens = sum(r.response_length for r in trajs)
-    return {"episodes": len(trajs), "model_tokens": tokens, "seconds": round(seconds, 3),
-            "cpu_seconds": round(cpu_seconds, 3),
-            "tok_s": round(tokens / seconds, 2), "retrieval_seconds": round(retrieval_seconds, 3),
-            "turns_mean": round(sum(len(r.turns) for r in trajs) / len(trajs), 2),
-            "searches": sum(r.episode.get("num_retrievals", 0) for r in trajs),
-            "prompts": [list(r.token_ids[: r.prompt_length]) for r in trajs]}
-
-
 def _run_loop(engine, retriever, questions, group_size: int, seed: int) -> dict:
     requests, envs = _episodes(retriever, questions, group_size)
     backend = TimedRetrieval(LocalBackend(engine))
@@ -281,62 +214,12 @@ def _run_loop(engine, retriever, questions, group_size: int, seed: int) -> dict:
     t, cpu = time.perf_counter(), time.process_time()
     trajs = rollout.run(envs, requests)
     seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
-    return _summary(trajs, seconds, cpu_seconds, backend.retrieval_seconds)
+    return rollout_summary(trajs, seconds, cpu_seconds, backend.retrieval_seconds)
 
 
 async def _run_async_loop(engine, retriever, questions, group_size: int, seed: int) -> tuple[dict, list]:
-    """The rollout loop awaited on the caller's event loop (an ``AsyncLLM`` engine must stay on its loop)."""
     requests, envs = _episodes(retriever, questions, group_size)
-    backend = TimedRetrieval(LocalBackend(engine))
-    rollout = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(temperature=1.0, seed=seed),
-                               RolloutConfig(**DEMO_ROLLOUT))
-    t, cpu = time.perf_counter(), cpu_seconds_by_process()
-    episodes = await rollout.run_episodes_async(envs, requests)
-    seconds, cpu = time.perf_counter() - t, cpu_seconds_since(cpu)
-    trajs = [r for episode in episodes for r in episode]
-    summary = _summary(trajs, seconds, sum(cpu.values()), backend.retrieval_seconds)
-    return {**summary, "cpu_seconds_by_process": cpu}, trajs
-
-
-def plain_spec(async_run: dict) -> dict:
-    """What plain generate repeats of a rollout: its prompts, each run to the rollout's mean length."""
-    prompts = async_run["prompts"]
-    return {"prompts": prompts, "tokens_per_prompt": max(1, round(async_run["model_tokens"] / len(prompts)))}
-
-
-def _plain_generate(engine, spec: dict, seed: int) -> dict:
-    """HF plain generate of ``spec``'s prompts with EOS off, so every prompt makes exactly as many tokens."""
-    eos, engine.eos_token_ids = engine.eos_token_ids, set()  # run every prompt to max_new_tokens
-    try:
-        t, cpu = time.perf_counter(), time.process_time()
-        plain = engine.generate(spec["prompts"], SamplingParams(temperature=1.0, seed=seed), (), spec["tokens_per_prompt"])
-        seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - cpu
-    finally:
-        engine.eos_token_ids = eos
-    return {"tokens": sum(len(r.token_ids) for r in plain), "seconds": seconds, "cpu_seconds": cpu_seconds}
-
-
-async def _vllm_plain_generate(engine: AsyncVLLMEngine, spec: dict, seed: int) -> dict:
-    """vLLM plain generate of ``spec``: every prompt submitted at once, ``ignore_eos``, prompt i seeded
-    with ``derive_seed(seed, i)`` as ``HFEngine.generate`` does."""
-    from vllm import SamplingParams as VLLMSamplingParams  # vLLM on use: optional (the gpu/cpu extra)
-    from vllm.inputs import TokensPrompt
-
-    n = spec["tokens_per_prompt"]
-
-    async def one(i: int, prompt: list[int]) -> int:
-        params = VLLMSamplingParams(**sampling_kwargs(SamplingParams(temperature=1.0), (), n, derive_seed(seed, i)),
-                                    ignore_eos=True)
-        final = None
-        async for output in engine.engine.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                                   request_id=f"plain-{uuid.uuid4().hex}"):
-            final = output
-        return len(final.outputs[0].token_ids)
-
-    t, cpu = time.perf_counter(), cpu_seconds_by_process()
-    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(spec["prompts"])))
-    seconds, cpu = time.perf_counter() - t, cpu_seconds_since(cpu)
-    return {"tokens": sum(counts), "seconds": seconds, "cpu_seconds": sum(cpu.values()), "cpu_seconds_by_process": cpu}
+    return await run_timed_rollout(engine, envs, requests, seed, RolloutConfig(**DEMO_ROLLOUT))
 
 
 def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: int = 4, group_size: int = 4,
@@ -356,7 +239,7 @@ def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: i
     for r in range(repeats):
         runs.append(_run_loop(engine, retriever, qs, group_size, seed + r))
         specs.append(plain_spec(runs[-1]))
-        plains.append(_plain_generate(engine, specs[-1], seed + r))
+        plains.append(hf_plain_generate(engine, specs[-1], seed + r))
     tok_s, tok_cpu_s = pooled_tok_s(runs), pooled_tok_s(runs, seconds_key="cpu_seconds")
     plain_tokens = sum(x["tokens"] for x in plains)
     plain_seconds, plain_cpu_seconds = sum(x["seconds"] for x in plains), sum(x["cpu_seconds"] for x in plains)
@@ -379,39 +262,27 @@ def bench_rollout(world, retriever, *, model: str = "smollm2-135m", questions: i
     return out
 
 
-def _since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: after[k] - before.get(k, 0) for k in after}
-
-
 async def _bench_vllm_async(world, retriever, *, model: str, dtype: str, questions: int, group_size: int,
                             repeats: int, seed: int, plain_specs: list[dict], engine_kwargs: dict) -> dict:
-    from vllm.v1.metrics.reader import get_metrics_snapshot  # vLLM on use: optional (the gpu/cpu extra)
-
     t = time.perf_counter()
     engine = AsyncVLLMEngine(model, dtype=dtype, **engine_kwargs)
     start_seconds = time.perf_counter() - t
     try:
         qs = world.questions[:questions]
         warm, _ = await _run_async_loop(engine, retriever, qs[:1], 1, seed + 999)  # warm-up of both paths
-        await _vllm_plain_generate(engine, {"prompts": warm["prompts"], "tokens_per_prompt": 8}, seed + 999)
+        await vllm_plain_generate(engine, {"prompts": warm["prompts"], "tokens_per_prompt": 8}, seed + 999)
         processes = child_processes()  # the engine's processes, as they run the benchmark
         runs, plains, trajs = [], [], []
         for r in range(repeats):
-            await engine.engine.reset_prefix_cache()
-            before, counters = engine.prefix_cache_stats(), engine_counters(get_metrics_snapshot())
-            run, rollouts = await _run_async_loop(engine, retriever, qs, group_size, seed + r)
-            after = engine.prefix_cache_stats()
-            run["prefix_cache"] = {k: after[k] - before[k] for k in after}
-            run["engine_counters"] = _since(counters, engine_counters(get_metrics_snapshot()))
+            (run, rollouts), counted = await counted_on_vllm(engine, _run_async_loop(engine, retriever, qs, group_size, seed + r))
+            run.update(counted)
             runs.append(run)
             trajs.extend((list(x.token_ids), list(x.sampled_logprobs), list(x.loss_mask)) for x in rollouts)
             if len(plain_specs) <= r:  # no HF phase: this engine's own rollout sets the plain work
                 plain_specs.append(plain_spec(run))
             run["same_prompts_as_plain"] = run["prompts"] == plain_specs[r]["prompts"]  # same tokenizer, same episodes
-            await engine.engine.reset_prefix_cache()
-            counters = engine_counters(get_metrics_snapshot())
-            plains.append(await _vllm_plain_generate(engine, plain_specs[r], seed + r))
-            plains[-1]["engine_counters"] = _since(counters, engine_counters(get_metrics_snapshot()))
+            plain, counted = await counted_on_vllm(engine, vllm_plain_generate(engine, plain_specs[r], seed + r))
+            plains.append({**plain, "engine_counters": counted["engine_counters"]})
         return {"start_seconds": round(start_seconds, 2), "runs": runs, "plains": plains, "trajectories": trajs,
                 "processes": processes, "info": engine.info()}
     finally:
@@ -423,18 +294,10 @@ def bench_vllm(world, retriever, *, model: str = "smollm2-135m", dtype: str = "f
                engine_kwargs: dict | None = None) -> dict:
     """One vLLM dtype's phase (see the module docstring); ``plain_specs`` gains this phase's when it
     has fewer than ``repeats``. The result keeps the sampled ``trajectories`` for the drift check."""
-    # vLLM logs to stdout by default, which must stay JSON; its engine processes inherit this.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    # Import vLLM here, not first inside the engine's constructor: the import keeps a caught
-    # exception whose traceback holds the importing frames, and so an engine built in one of them
-    # would outlive its shutdown (AsyncLLM.__del__ then fails at interpreter exit).
-    import_vllm()
-    import vllm.v1.engine.async_llm  # noqa: F401
     specs = plain_specs if plain_specs is not None else []
-    phase = asyncio.run(_bench_vllm_async(world, retriever, model=model, dtype=dtype, questions=questions,
-                                          group_size=group_size, repeats=repeats, seed=seed, plain_specs=specs,
-                                          engine_kwargs=dict(engine_kwargs or {})))
-    gc.collect()  # the shut-down AsyncLLM sits in reference cycles; collect it now, not at interpreter exit
+    phase = run_with_vllm(lambda: _bench_vllm_async(world, retriever, model=model, dtype=dtype, questions=questions,
+                                                    group_size=group_size, repeats=repeats, seed=seed, plain_specs=specs,
+                                                    engine_kwargs=dict(engine_kwargs or {})))
     runs, plains = phase["runs"], phase["plains"]
     rollout_tok_s = pooled_tok_s(runs)
     plain_tok_s = pooled_tok_s(plains, tokens_key="tokens")
