@@ -535,50 +535,56 @@ def section_logprobs(args) -> dict:
     out = {"vocab": vocab, "hidden": width, "dtype": str(dtype), "rows": []}
     shapes = [tuple(int(x) for x in spec.split("x")) for spec in args.logprob_shapes]
     for batch, seq in ([(2, 16), (4, 8)] if args.tiny else shapes):
-        hidden = torch.randn(batch, seq, width, generator=g, device=dev, dtype=torch.float32).to(dtype).requires_grad_()
-        ids = torch.randint(0, vocab, (batch, seq), generator=g, device=dev)
-        upstream = torch.randn(batch, seq, generator=g, device=dev)
-        reference = None
-        for name, chunk in variants:
-            row: dict = {"batch": batch, "seq_len": seq, "variant": name}
-            try:
-                def step():
-                    hidden.grad = weight.grad = None
-                    lp = full_token_logprobs(hidden, weight, ids) if chunk is None else chunked_token_logprobs(hidden, weight, ids, chunk_size=chunk)
-                    (lp * upstream).sum().backward()
-                    return lp.detach()
-
-                step()  # warm-up
-                reset_peak(args)
-                base = torch.cuda.memory_allocated() if args.device == "cuda" else 0
-                times = []
-                for _ in range(3):
-                    t = time.perf_counter()
-                    lp = step()
-                    synchronize(args)
-                    times.append(time.perf_counter() - t)
-                row["seconds_fwd_bwd"] = round(statistics.median(times), 4)
-                if args.device == "cuda":
-                    row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / 1024**3, 2)
-                got = (lp, hidden.grad.detach().clone(), weight.grad.detach().clone())
-                if reference is None and chunk is None:
-                    reference = got
-                elif reference is not None:
-                    names = ("logprobs", "grad_hidden", "grad_weight")
-                    row["max_abs_diff_vs_full"] = {k: float((a.float() - b.float()).abs().max()) for k, a, b in zip(names, got, reference)}
-                    row["max_abs_of_full"] = {k: float(b.float().abs().max()) for k, b in zip(names, reference)}
-                del got
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = short_error(exc)
-                row["out_of_memory"] = is_oom(exc)
-            hidden.grad = weight.grad = None
-            free_memory(args)
-            out["rows"].append(row)
-            log(f"logprobs: {json.dumps(row)}")
-        reference = None
-        del hidden, ids, upstream
-        free_memory(args)
+        out["rows"].extend(logprob_rows(args, weight, g, batch, seq, variants))
+        free_memory(args)  # this shape's tensors went with logprob_rows' frame
     return out
+
+
+def logprob_rows(args, weight, g, batch: int, seq: int, variants) -> list[dict]:
+    """One row per variant at ``batch`` x ``seq``; the inputs live only as long as this call."""
+    dtype, dev, (vocab, width) = compute_dtype(args), torch.device(args.device), weight.shape
+    hidden = torch.randn(batch, seq, width, generator=g, device=dev, dtype=torch.float32).to(dtype).requires_grad_()
+    ids = torch.randint(0, vocab, (batch, seq), generator=g, device=dev)
+    upstream = torch.randn(batch, seq, generator=g, device=dev)
+    reference = None
+    rows = []
+    for name, chunk in variants:
+        row: dict = {"batch": batch, "seq_len": seq, "variant": name}
+        try:
+            def step():
+                hidden.grad = weight.grad = None
+                lp = full_token_logprobs(hidden, weight, ids) if chunk is None else chunked_token_logprobs(hidden, weight, ids, chunk_size=chunk)
+                (lp * upstream).sum().backward()
+                return lp.detach()
+
+            step()  # warm-up
+            reset_peak(args)
+            base = torch.cuda.memory_allocated() if args.device == "cuda" else 0
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                lp = step()
+                synchronize(args)
+                times.append(time.perf_counter() - t)
+            row["seconds_fwd_bwd"] = round(statistics.median(times), 4)
+            if args.device == "cuda":
+                row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / 1024**3, 2)
+            got = (lp, hidden.grad.detach().clone(), weight.grad.detach().clone())
+            if reference is None and chunk is None:
+                reference = got
+            elif reference is not None:
+                names = ("logprobs", "grad_hidden", "grad_weight")
+                row["max_abs_diff_vs_full"] = {k: float((a.float() - b.float()).abs().max()) for k, a, b in zip(names, got, reference)}
+                row["max_abs_of_full"] = {k: float(b.float().abs().max()) for k, b in zip(names, reference)}
+            del got
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = short_error(exc)
+            row["out_of_memory"] = is_oom(exc)
+        hidden.grad = weight.grad = None
+        free_memory(args)
+        rows.append(row)
+        log(f"logprobs: {json.dumps(row)}")
+    return rows
 
 
 # ----------------------------------------------------------------------------- 4. PPR
@@ -807,9 +813,7 @@ def section_smoke(args) -> dict:
     report["checks"] = {"versions_after_sync == [1]": report["versions_after_sync"] == [1],
                         "gap_after_sync < 0.5 nats": report["gap_after_sync"] < 0.5}
     report["not_run"] = "vLLM engine, NCCL/pynccl weight broadcast and the Ray actors: vLLM cannot be installed on this machine"
-    del engine, learner
-    free_memory(args)
-    return report
+    return report  # the engine and learner go with this frame; the caller frees the memory (free_memory)
 
 
 def section_deepspeed_ops(args) -> dict:
