@@ -36,7 +36,9 @@ def test_tiny_cpu_run_reports_every_section_and_isolates_failures(tmp_path):
             assert max(row["max_abs_diff_vs_full"].values()) < 1e-5
 
 
-@pytest.mark.parametrize("engine", bench_gpu.ROLLOUT_ENGINES)
+# vLLM's start (about a minute here) goes to the integration run; the HF engine keeps the section in make test
+@pytest.mark.parametrize("engine", [pytest.param(e, marks=pytest.mark.integration) if e.startswith("vllm") else e
+                                    for e in bench_gpu.ROLLOUT_ENGINES])
 def test_tiny_rollout_section_runs_episodes_on_the_rollout_loop(engine, tmp_path, small_world, small_world_retriever,
                                                                  tiny_vllm_policy):
     table = tmp_path / "table.json"
