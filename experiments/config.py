@@ -239,11 +239,13 @@ _BUILT_TO_CHECK = (("learner", LearnerConfig), ("sft.lora", LoraSettings), ("dat
 
 
 def _value_errors(c: dict) -> list[tuple[str, str]]:
-    """The typed sections' own value checks: each is built as the trainer will build it."""
+    """The typed sections' own value checks (and the reward section's): each is built as the trainer
+    will build it."""
     errs = []
-    for path, cls in _BUILT_TO_CHECK:
-        value = get_path(c, path.split("."))
-        if value is None:
+    method = c["reward"].get("method")
+    reward = (("reward", reward_section(method), {k: v for k, v in c["reward"].items() if k != "method"}),)
+    for path, cls, value in [*((p, cls, get_path(c, p.split("."))) for p, cls in _BUILT_TO_CHECK), *reward]:
+        if value is None or cls is None:  # no section, or a reward registered without a section dataclass
             continue
         try:
             dataclass_from_mapping(cls, value, path)

@@ -109,3 +109,9 @@ def test_a_shared_runtime_serves_only_runs_with_its_episode_limits_and_policy():
     check_runtime_serves(built, other_policy, EPISODE_LIMITS, "evaluate")  # an evaluation names its policy itself
     with pytest.raises(ValueError, match="policy.model"):
         check_runtime_serves(built, other_policy, ("policy.model", *EPISODE_LIMITS), "train")
+
+
+def test_a_reward_value_its_config_refuses_fails_at_load_not_at_train_start():
+    assert _problems(["reward.time_source=minutes"]) == [
+        "  override: reward: time_source must be one of seconds, cost, got 'minutes'"]
+    assert load_config("experiments/configs/cpu_tiny.yaml", ["reward.time_source=cost"]).reward.time_source == "cost"
