@@ -172,7 +172,7 @@ def test_cli_refuses_a_folder_that_is_not_a_routing_run(tmp_path, capsys):
 
 
 def test_routing_accuracy_by_hand():
-    from experiments.studies.mode_gradients import routing_accuracy
+    from experiments.studies.routing import routing_accuracy
 
     # graph_only right when p(graph) > 0.5, direct right when < 0.5: right, wrong, right, wrong
     assert routing_accuracy({"graph_only": [0.7, 0.4], "direct": [0.2, 0.6]}) == 0.5

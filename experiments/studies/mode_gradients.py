@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from experiments.evaluate import resolve_policy
 from experiments.studies.routing import (EVAL_KWARGS, build_task, graph_preference, mode_logit, mode_logits,
-                                         mode_probes, mode_slot_tokens)
+                                         mode_probes, mode_slot_tokens, routing_accuracy)
 from raggym.models import load_policy, load_policy_tokenizer
 from raggym.retrieval import Retriever
 
@@ -104,12 +104,6 @@ def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]]) -> 
         p_graph[kind] = statistics.fmean(1 / (1 + math.exp(-z)) for z in logits)  # sigmoid(z)
     return {**gradient_alignment(grads[REWARDED], grads[OTHER]), "p_graph": p_graph,
             "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
-
-
-def routing_accuracy(p_graph: dict[str, list[float]]) -> float:
-    """Share of probes whose more likely mode is their type's right one (graph for ``graph_only``)."""
-    right = [p > 0.5 for p in p_graph[REWARDED]] + [p < 0.5 for p in p_graph[OTHER]]
-    return sum(right) / len(right)
 
 
 def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], heldout_probes: dict[str, list[dict]],

@@ -27,8 +27,11 @@
    preference for a mode into 0 % or 100 %, so mode shares are read from the sampled one).
 
 It writes ``report.json``, ``report.md`` and PNG curves under ``--out``: per question type and
-stage, EM and graph share (mean and spread over seeds), retrieval cost per question, and the
-reward and graph-share curves over training steps. ``docs/results.md`` records a run.
+stage, EM and graph share (mean and spread over seeds), retrieval cost per question, the routing
+accuracy read two ways (the first search of each episode, and the mode slot's logits on golden
+prefixes), the reward and graph-share curves over training steps, the mean advantage of each
+type's episodes by the route of their first search (the sign of the signal RL gets), and issue
+#42's targets beside issue #14's. ``docs/results.md`` records a run.
 ``--sft-from <earlier --out>`` starts each seed's RL from the SFT policy that earlier run trained
 (its SFT and task settings must match), so RL variants are compared from the same policies.
 
@@ -74,6 +77,10 @@ from raggym.retrieval import Retriever, ensure_index
 REPO = Path(__file__).resolve().parents[2]
 RL_CONFIG = REPO / "experiments" / "configs" / "routing_grpo.yaml"
 GRAPH_MODES = ("graph", "hybrid")  # searches that use graph retrieval
+# The route each question type needs: a `graph_only` fact is stated in no passage a search can
+# find, so only graph retrieval answers it; a `direct` fact is in a passage, which a passage
+# search finds at about 1/140 of a graph search's cost.
+RIGHT_ROUTES = {"graph_only": GRAPH_MODES, "direct": ("passage",)}
 STAGES = ("after SFT", "after stage 1", "after stage 2")
 
 
@@ -156,9 +163,20 @@ def graph_share(modes) -> float | None:
     return sum(m in GRAPH_MODES for m in modes) / len(modes) if modes else None
 
 
+def right_route(kind: str, modes) -> bool | None:
+    """Whether an episode of a ``kind`` question took its type's right route (``RIGHT_ROUTES``)
+    at its first search; an episode without a search did not; None for a type without one."""
+    if kind not in RIGHT_ROUTES:
+        return None
+    modes = list(modes)
+    return bool(modes) and modes[0] in RIGHT_ROUTES[kind]
+
+
 def typed_metrics(episodes: list[dict], kinds: dict[str, str]) -> dict:
     """Per question type (and ``all``): EM, graph share of searches, searches and retrieval cost
-    per question, from evaluation trajectories (``{"question_id", "metrics": episode_metrics}``)."""
+    per question, and the route accuracy (the share of questions whose first search took their
+    type's right route; ``all``: the mean of the types', so that it does not lean to the larger
+    type), from evaluation trajectories (``{"question_id", "metrics": episode_metrics}``)."""
     groups: dict[str, list[dict]] = {"all": []}
     for ep in episodes:
         kind = kinds.get(ep["question_id"])
@@ -173,6 +191,12 @@ def typed_metrics(episodes: list[dict], kinds: dict[str, str]) -> dict:
                      "graph_share": graph_share(mode for m in ms for mode in m["modes"]),
                      "searches_per_question": sum(len(m["modes"]) for m in ms) / n,
                      "cost_per_question": sum(m["retrieval_cost"] for m in ms) / n}
+        routes = [right_route(kind, m["modes"]) for m in ms] if kind != "all" else [None]
+        if None not in routes:
+            out[kind]["route_accuracy"] = sum(routes) / n
+    typed = [out[kind]["route_accuracy"] for kind in out if "route_accuracy" in out[kind]]
+    if typed:
+        out["all"]["route_accuracy"] = statistics.fmean(typed)
     return out
 
 
@@ -275,14 +299,28 @@ def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_
     return probes
 
 
-def preference_by_type(policy: str, tokenizer, probes: dict[str, list[dict]]) -> dict[str, float]:
-    """Mean ``graph_preference`` of ``policy`` (model spec, HF dir, checkpoint or run dir) per
-    question type, and over all probes (``"all"``)."""
+def preference_by_type(policy: str, tokenizer, probes: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """``graph_preference`` of ``policy`` (model spec, HF dir, checkpoint or run dir) on each probe,
+    per question type."""
     model = load_policy(resolve_policy(policy))[0]
-    values = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
-    out = {kind: statistics.fmean(v) for kind, v in values.items()}
-    out["all"] = statistics.fmean(x for v in values.values() for x in v)
-    return out
+    return {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
+
+
+def routing_accuracy(p_graph: dict[str, list[float]]) -> float:
+    """Share of probes whose more likely mode is their type's right one (``RIGHT_ROUTES``: graph
+    for ``graph_only``, passage for ``direct``)."""
+    right = [p > 0.5 if "graph" in RIGHT_ROUTES[kind] else p < 0.5 for kind, values in p_graph.items() for p in values]
+    return sum(right) / len(right)
+
+
+def add_preference(evaluation: dict, p_graph: dict[str, list[float]]) -> dict:
+    """``evaluation`` (``typed_metrics``) with the probes' mean p(graph) per type and over all
+    probes (``graph_preference``), and their ``routing_accuracy`` under ``all``."""
+    for kind, values in p_graph.items():
+        evaluation[kind]["graph_preference"] = statistics.fmean(values)
+    evaluation["all"]["graph_preference"] = statistics.fmean(x for v in p_graph.values() for x in v)
+    evaluation["all"]["routing_accuracy"] = routing_accuracy(p_graph)
+    return evaluation
 
 
 @contextlib.contextmanager
@@ -298,19 +336,56 @@ def preference_threads(n: int):
         torch.set_num_threads(before)
 
 
+def first_route(modes) -> str | None:
+    """``"graph"`` or ``"passage"``: the retrieval an episode's first search used; None without one."""
+    modes = list(modes or ())
+    return None if not modes else "graph" if modes[0] in GRAPH_MODES else "passage"
+
+
 def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
-    """Per training step: mean reward and the graph share of each question type's searches."""
+    """Per training step: mean reward, the graph share of each question type's searches, and the
+    mean GRPO advantage of each type's episodes by the route of their first search
+    (``advantage/<route>/<type>``, None when no episode took it): the sign of the learning signal
+    at the mode choice, per type."""
     rows = []
     for path in sorted(Path(trajectory_dir).glob("step-*.jsonl")):
         trajectories = read_jsonl(path)
         row = {"step": int(path.stem.split("-")[1]),
                "reward": sum(t["reward"] for t in trajectories) / max(1, len(trajectories))}
         for kind in sorted(set(kinds.values())):
-            modes = [m for t in trajectories if kinds.get(t["episode"].get("question_id")) == kind
-                     for m in t["episode"].get("modes") or ()]
-            row[f"graph_share/{kind}"] = graph_share(modes)
+            episodes = [t for t in trajectories if kinds.get(t["episode"].get("question_id")) == kind]
+            row[f"graph_share/{kind}"] = graph_share(m for t in episodes for m in t["episode"].get("modes") or ())
+            for route in ("graph", "passage"):
+                advantages = [t["advantage"] for t in episodes if first_route(t["episode"].get("modes")) == route]
+                row[f"advantage/{route}/{kind}"] = statistics.fmean(advantages) if advantages else None
         rows.append(row)
     return rows
+
+
+def route_advantages(seed_runs: list[dict], first_step: int, last_step: int | None = None) -> dict:
+    """Per question type, over the training steps ``first_step``..``last_step`` of every seed's
+    curves: the mean advantage of episodes whose first search took the type's right route and of
+    those that took the other, and the share of steps (where both routes were taken) in which
+    the right route's mean advantage was the larger: the direction the policy gradient pushes
+    the type's mode choice."""
+    out = {}
+    kinds = sorted({key.rsplit("/", 1)[1] for run in seed_runs for row in run["curves"] for key in row
+                    if key.startswith("advantage/")})
+    for kind in kinds:
+        if kind not in RIGHT_ROUTES:
+            continue
+        right = "graph" if "graph" in RIGHT_ROUTES[kind] else "passage"
+        other = "passage" if right == "graph" else "graph"
+        rows = [row for run in seed_runs for row in run["curves"]
+                if row["step"] >= first_step and (last_step is None or row["step"] <= last_step)]
+        pairs = [(row[f"advantage/{right}/{kind}"], row[f"advantage/{other}/{kind}"]) for row in rows
+                 if row.get(f"advantage/{right}/{kind}") is not None and row.get(f"advantage/{other}/{kind}") is not None]
+        mean = (lambda xs: statistics.fmean(xs) if xs else None)
+        out[kind] = {"right_route": right,
+                     "advantage_right": mean([row[f"advantage/{right}/{kind}"] for row in rows if row.get(f"advantage/{right}/{kind}") is not None]),
+                     "advantage_other": mean([row[f"advantage/{other}/{kind}"] for row in rows if row.get(f"advantage/{other}/{kind}") is not None]),
+                     "steps_right_ahead": sum(a > b for a, b in pairs), "steps_compared": len(pairs)}
+    return out
 
 
 def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict, samples: int = 1,
@@ -483,8 +558,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
             preference = pool.submit(preference_by_type, policy_dir, tokenizer, probes)
             evaluation, results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder,
                                                          {**eval_kwargs, "seed": seed}, runtime=runtime)
-            for kind, value in preference.result().items():
-                evaluation[kind]["graph_preference"] = value
+            add_preference(evaluation, preference.result())
         if s.eval_samples > 0:
             sampled[stage], _ = evaluate_policy(policy_dir, task, out / "eval" / f"{folder}_sampled",
                                                 {**eval_kwargs, "seed": seed, "temperature": s.eval_temperature},
@@ -551,21 +625,24 @@ def _spread(values: list[float]) -> dict:
             "std": statistics.pstdev(values) if len(values) > 1 else 0.0}
 
 
-METRICS = ("em", "graph_share", "graph_preference", "cost_per_question", "searches_per_question")
+METRICS = ("em", "graph_share", "graph_preference", "route_accuracy", "routing_accuracy", "cost_per_question",
+           "searches_per_question")
 
 
 def summarise(seed_runs: list[dict], key: str = "evaluations") -> dict:
     """Mean and spread over seeds of every (stage, type, metric) of the ``key`` evaluations
-    (``"evaluations"``: greedy; ``"sampled_evaluations"``); {} when the runs have none."""
+    (``"evaluations"``: greedy; ``"sampled_evaluations"``); {} when the runs have none. A metric
+    that only some seeds recorded (one added to the evaluation after a seed's stage ran) is
+    summarised over those; ``per_seed`` holds None for the others."""
     table: dict = {}
     if not all(r.get(key) for r in seed_runs):
         return table
     for stage in STAGES:
         for kind in seed_runs[0][key][stage]:
             for metric in METRICS:
-                if metric not in seed_runs[0][key][stage][kind]:  # graph_preference: greedy table only
-                    continue
                 values = [r[key][stage][kind].get(metric) for r in seed_runs]
+                if all(v is None for v in values):  # graph_preference: greedy table only
+                    continue
                 table.setdefault(stage, {}).setdefault(kind, {})[metric] = {**_spread(values), "per_seed": values}
     return table
 
@@ -652,27 +729,81 @@ def markdown(report: dict) -> str:
         if not report.get(key):
             continue
         lines += ["", f"## Held-out results, {title} (mean over seeds, [min, max])", "",
-                  "| stage | type | EM | graph share | p(graph) at the mode slot | searches / q | cost / q |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| stage | type | EM | graph share | p(graph) at the mode slot | route accuracy (first search) | "
+                  "routing accuracy (mode slot) | searches / q | cost / q |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for stage, kinds in report[key].items():
             for kind, m in kinds.items():
-                preference = cell(m["graph_preference"]) if "graph_preference" in m else "–"
-                lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | {preference} | "
+                optional = " | ".join(cell(m[metric]) if metric in m else "–"
+                                      for metric in ("graph_preference", "route_accuracy", "routing_accuracy"))
+                lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | {optional} | "
                              f"{m['searches_per_question']['mean']:.2f} | {m['cost_per_question']['mean']:.0f} |")
     lines += ["", "## RL effect", ""]
     for e in report["rl_effect"]:
         lines.append(f"- {e['question_type']} {e['metric']} ({e['decoding']}): after SFT {e['after_sft']:.3f} -> after RL ({e['rl_stage']}) "
                      f"{e['after_rl']:.3f}" + (f" (after stage 1 {e['after_stage1']:.3f})" if "after_stage1" in e else ""))
-    lines += ["", "## Targets", ""]
-    for t in report["targets"]:
-        lines.append(f"- {t['name']}: {t['value']:.3f} vs {t['target']} -> {'met' if t['met'] else 'NOT met'}")
+    advantages = report.get("route_advantages") or {}
+    if advantages:
+        lines += ["", "## The learning signal at the mode choice: mean advantage by the first search's route, stage 2 steps", "",
+                  "| type | right route | advantage, right route | advantage, other route | steps the right route was ahead |",
+                  "|---|---|---|---|---|"]
+        for kind, a in advantages.items():
+            lines.append(f"| {kind} | {a['right_route']} | {_number(a['advantage_right'], '+.3f')} | "
+                         f"{_number(a['advantage_other'], '+.3f')} | {a['steps_right_ahead']} of {a['steps_compared']} |")
+    for title, key in (("Targets (issue #42: routing that depends on the question)", "routing_targets"),
+                       ("Targets (issue #14: the learning proof)", "targets")):
+        if report.get(key):
+            lines += ["", f"## {title}", ""]
+            lines += [f"- {t['name']}: {_number(t['value'])} vs {t['target']} -> {'met' if t['met'] else 'NOT met'}"
+                      for t in report[key]]
     lines += ["", "![curves](plots/routing_curves.png)", ""]
     return "\n".join(lines)
 
 
+def _number(value: float | None, spec: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def targets(table: dict, decoding: str = "greedy") -> list[dict]:
-    """The issue's targets, computed from the table (reported whether met or not)."""
+    """Issue #14's targets, computed from the table (reported whether met or not)."""
     return [{**t, "name": f"{t['name']} ({decoding})"} for t in _targets(table)]
+
+
+ROUTING_ACCURACY_TARGET = 0.9
+COST_RATIO_TARGET = 0.7
+
+
+def routing_targets(table: dict, decoding: str = "greedy") -> list[dict]:
+    """Issue #42's targets after stage 2, from the table (reported whether met or not; a value the
+    table lacks is None and not met):
+
+    - held-out routing accuracy >= 0.9 as a mean over seeds, read two ways: at the mode slot
+      (``routing_accuracy``, the probes' more likely mode, as the learnability curve measured
+      it; greedy table only) and from the episodes (``route_accuracy``, their first search);
+    - retrieval cost per question after stage 2 at most 0.7x stage 1's;
+    - ``graph_only`` EM after stage 2 within the seed spread of stage 1's, read as: its mean over
+      seeds is at least stage 1's lowest seed (above the spread is no failure).
+    """
+    def mean(stage, kind, metric):
+        return table.get(stage, {}).get(kind, {}).get(metric, {}).get("mean")
+
+    s1, s2 = "after stage 1", "after stage 2"
+    entries = []
+    for metric, how in (("routing_accuracy", "mode slot"), ("route_accuracy", "first search")):
+        value = mean(s2, "all", metric)
+        if value is None and metric == "routing_accuracy" and decoding != "greedy":
+            continue  # logits are read beside the greedy evaluation only
+        entries.append({"name": f"held-out routing accuracy after stage 2 ({how})", "value": value,
+                        "target": f">= {ROUTING_ACCURACY_TARGET}", "met": value is not None and value >= ROUTING_ACCURACY_TARGET})
+    c1, c2 = mean(s1, "all", "cost_per_question"), mean(s2, "all", "cost_per_question")
+    ratio = c2 / c1 if c1 and c2 is not None else None
+    entries.append({"name": "cost per question, stage 2 / stage 1", "value": ratio, "target": f"<= {COST_RATIO_TARGET}",
+                    "met": ratio is not None and ratio <= COST_RATIO_TARGET})
+    em2, lowest = mean(s2, "graph_only", "em"), table.get(s1, {}).get("graph_only", {}).get("em", {}).get("min")
+    entries.append({"name": "graph_only EM after stage 2", "value": em2,
+                    "target": ">= stage 1's lowest seed" + (f" {lowest:.3f}" if lowest is not None else ""),
+                    "met": em2 is not None and lowest is not None and em2 >= lowest})
+    return [{**t, "name": f"{t['name']} ({decoding})"} for t in entries]
 
 
 def _targets(table: dict) -> list[dict]:
@@ -842,6 +973,8 @@ def run(args) -> dict | None:
               "sampled_table": sampled_table,
               "rl_effect": rl_effect(table, len(runs)) + rl_effect(sampled_table, len(runs), "sampled"),
               "targets": targets(table) + (targets(sampled_table, "sampled") if sampled_table else []),
+              "routing_targets": routing_targets(table) + (routing_targets(sampled_table, "sampled") if sampled_table else []),
+              "route_advantages": route_advantages(runs, settings.stage1_steps + 1),
               "seed_runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
               "seconds": round(time.perf_counter() - started, 1)}
     report["plots"] = plot(out, runs, settings.stage1_steps)
