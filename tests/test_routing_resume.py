@@ -73,6 +73,15 @@ def test_a_seed_goes_on_from_where_the_last_sitting_stopped(tmp_path, ray_sessio
     assert sft_episodes.stat().st_mtime_ns == sft_evaluated
     assert report["sft"]["steps"] == progress()["sft"]["steps"]
     assert report["evaluations"] == progress()["evaluations"]
+    # each evaluation reads the routing both ways: from the episodes' first search per type, and
+    # from the mode slot's logits on the probes (here every held-out question is a probe, so a
+    # share of the 6)
+    for evaluation in report["evaluations"].values():
+        assert {"route_accuracy", "routing_accuracy"} <= set(evaluation["all"]), evaluation["all"]
+        right = len(task.heldout) * evaluation["all"]["routing_accuracy"]
+        assert right == pytest.approx(round(right)), evaluation["all"]
+    # and the curves carry each step's advantage by the route of the first search, per type
+    assert {"advantage/graph/graph_only", "advantage/passage/direct"} <= set(report["curves"][-1])
 
     # a folder started with other settings is refused, naming what differs, and nothing is touched
     with pytest.raises(ValueError, match="stage2_steps"):
