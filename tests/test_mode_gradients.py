@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.studies.mode_gradients import gradient_alignment, mean_mode_gradient, mode_gradient_alignment
-from experiments.studies.routing import graph_preference, mode_logit, mode_logits, mode_slot_tokens
+from experiments.studies.routing import graph_preference, mode_logit, mode_logits, mode_slot_tokens, routing_accuracy
 
 
 def test_alignment_figures_by_hand():
@@ -150,6 +150,8 @@ def test_alignment_of_two_types_on_a_real_model(tiny):
     apart = mode_gradient_alignment(model, tokenizer, probes)
     assert apart["differential_share"] > 0 and apart["probes"] == {"graph_only": 2, "direct": 2}
     assert set(apart["p_graph"]) == {"graph_only", "direct"} and all(0 < p < 1 for p in apart["p_graph"].values())
+    p_graph = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
+    assert apart["routing_accuracy"] == routing_accuracy(p_graph)  # the probes' own reading
     with pytest.raises(ValueError, match="direct"):
         mode_gradient_alignment(model, tokenizer, {"graph_only": probes["graph_only"]})
 
@@ -172,7 +174,6 @@ def test_cli_refuses_a_folder_that_is_not_a_routing_run(tmp_path, capsys):
 
 
 def test_routing_accuracy_by_hand():
-    from experiments.studies.routing import routing_accuracy
 
     # graph_only right when p(graph) > 0.5, direct right when < 0.5: right, wrong, right, wrong
     assert routing_accuracy({"graph_only": [0.7, 0.4], "direct": [0.2, 0.6]}) == 0.5

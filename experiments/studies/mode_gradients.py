@@ -94,16 +94,18 @@ def mean_mode_gradient(model, tokenizer, examples: list[dict]):
 
 
 def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]]) -> dict:
-    """``gradient_alignment`` of the two types' mean mode gradients, with each type's mean p(graph)."""
+    """``gradient_alignment`` of the two types' mean mode gradients, with each type's mean p(graph)
+    and the probes' ``routing_accuracy``."""
     missing = {REWARDED, OTHER} - set(probes)
     if missing:
         raise ValueError(f"probes lack question type(s) {sorted(missing)}; have {sorted(probes)}")
     grads, p_graph = {}, {}
     for kind in (REWARDED, OTHER):
         grads[kind], logits = mean_mode_gradient(model, tokenizer, probes[kind])
-        p_graph[kind] = statistics.fmean(1 / (1 + math.exp(-z)) for z in logits)  # sigmoid(z)
-    return {**gradient_alignment(grads[REWARDED], grads[OTHER]), "p_graph": p_graph,
-            "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
+        p_graph[kind] = [1 / (1 + math.exp(-z)) for z in logits]  # sigmoid(z)
+    return {**gradient_alignment(grads[REWARDED], grads[OTHER]),
+            "p_graph": {kind: statistics.fmean(p) for kind, p in p_graph.items()},
+            "routing_accuracy": routing_accuracy(p_graph), "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
 
 
 def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], heldout_probes: dict[str, list[dict]],
