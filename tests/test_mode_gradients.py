@@ -174,7 +174,6 @@ def test_cli_refuses_a_folder_that_is_not_a_routing_run(tmp_path, capsys):
 
 
 def test_routing_accuracy_by_hand():
-
     # graph_only right when p(graph) > 0.5, direct right when < 0.5: right, wrong, right, wrong
     assert routing_accuracy({"graph_only": [0.7, 0.4], "direct": [0.2, 0.6]}) == 0.5
     assert routing_accuracy({"graph_only": [0.9], "direct": [0.1, 0.3]}) == 1.0
