@@ -32,10 +32,11 @@ def clean_registries():
 
     from actors.engines.rollout_worker import ENGINE_FACTORIES
     from raggym.protocol import unregister_dialect
-    from raggym.rewards.schedules import CUSTOM_SCHEDULES
+    from raggym.rewards.schedules import CUSTOM_SCHEDULES, REWARD_SECTIONS
 
     unregister_dialect("json_search")
     CUSTOM_SCHEDULES.pop("em_search_cost", None)
+    REWARD_SECTIONS.pop("em_search_cost", None)
     ENGINE_FACTORIES.pop("hf-generate", None)
     gymnasium.registry.pop("raggym-examples/RetrieveThenAnswer-v0", None)
 
@@ -47,7 +48,13 @@ def test_doc_example_runs(index, title, small_world, small_world_retriever, clea
     torch.set_num_threads(2)
     _, examples = _blocks()
     namespace = {"world": small_world, "retriever": small_world_retriever, "__name__": f"extending_{title}"}
-    exec(compile(examples[index], f"{DOC}#{title}", "exec"), namespace)
+    exec(_compiled(examples[index], title), namespace)
+
+
+def _compiled(code: str, title: str):
+    # dont_inherit: the block runs as a user's script would, without this file's
+    # `from __future__ import annotations` (under which a dataclass in it looks for its module)
+    return compile(code, f"{DOC}#{title}", "exec", dont_inherit=True)
 
 
 @pytest.mark.integration  # a full train() step (~1 min on 2 cores): `make test-integration`
@@ -66,7 +73,7 @@ def test_doc_training_example_runs_one_real_step(small_world, small_world_retrie
     _, examples = _blocks()
     namespace = {"world": small_world, "retriever": small_world_retriever, "__name__": "extending_training"}
     for index, title in ((1, "reward"), (2, "environment"), (3, "engine"), (4, "training")):
-        exec(compile(examples[index], f"{DOC}#{title}", "exec"), namespace)
+        exec(_compiled(examples[index], title), namespace)
 
 
 def test_registration_hooks_refuse_builtin_names():
