@@ -55,7 +55,7 @@ from raggym.config_util import dataclass_from_mapping, describe_type, required_f
 from raggym.data.synthetic import WorldConfig
 from raggym.models import LoraSettings
 from raggym.protocol import get_dialect
-from raggym.rewards.schedules import reward_section
+from raggym.rewards.schedules import reward_options, reward_section
 
 STEPWISE_ENV = "raggym/MultiKBRoute-v0"  # R1-Router's env: its episodes run step-wise
 
@@ -243,7 +243,7 @@ def _value_errors(c: dict) -> list[tuple[str, str]]:
     will build it."""
     errs = []
     method = c["reward"].get("method")
-    reward = (("reward", reward_section(method), {k: v for k, v in c["reward"].items() if k != "method"}),)
+    reward = (("reward", reward_section(method), reward_options(c["reward"])),)
     for path, cls, value in [*((p, cls, get_path(c, p.split("."))) for p, cls in _BUILT_TO_CHECK), *reward]:
         if value is None or cls is None:  # no section, or a reward registered without a section dataclass
             continue
@@ -410,7 +410,7 @@ def _open_section_errors(c: dict) -> tuple[list[tuple[str, str]], dict[str, Any]
     for path, section in sections.items():
         value = get_path(c, path.split("."))
         if path == "reward":  # reward.method picks the section; open_sections checked the name
-            value = {k: v for k, v in value.items() if k != "method"}
+            value = reward_options(value)
         found, root = [], _placed_at(path, section)
         merged = _merge(OmegaConf.structured(root), "", _nested(path, value), found, root)
         errors += [(key, problem) for _, key, problem in found]

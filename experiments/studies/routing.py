@@ -481,7 +481,7 @@ class SeedProgress:
     folder started with another key is an error naming the differences, never a silent mix."""
 
     def __init__(self, seed_dir: Path, key: dict):
-        self.path, self.key = seed_dir / "progress.json", key
+        self.path = seed_dir / "progress.json"
         self.state = {"settings": key, **empty_progress()}
         if self.path.exists():
             try:

@@ -235,6 +235,11 @@ def reward_section(method: str) -> type | None:
     return REWARD_SECTIONS.get(method) if method in reward_methods() else None
 
 
+def reward_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``reward:`` config's keys for its method's section: all but ``method``, which picks it."""
+    return {k: v for k, v in cfg.items() if k != "method"}
+
+
 def reward_schedule_from_config(
     cfg: Mapping[str, Any], embed: Embedder | None = None, judge: Judge | None = None
 ) -> RewardSchedule:
@@ -242,7 +247,7 @@ def reward_schedule_from_config(
     method = cfg.get("method")
     if method not in reward_methods():
         raise ValueError(f"unknown reward method {method!r}; expected one of {', '.join(reward_methods())}")
-    options = {k: v for k, v in cfg.items() if k != "method"}
+    options = reward_options(cfg)
     section = reward_section(method)
     settings = dataclass_from_mapping(section, options, f"{method} reward") if section else options
     if method in CUSTOM_SCHEDULES:
