@@ -80,7 +80,7 @@ GRAPH_MODES = ("graph", "hybrid")  # searches that use graph retrieval
 # The route each question type needs: a `graph_only` fact is stated in no passage a search can
 # find, so only graph retrieval answers it; a `direct` fact is in a passage, which a passage
 # search finds at about 1/140 of a graph search's cost.
-RIGHT_ROUTES = {"graph_only": GRAPH_MODES, "direct": ("passage",)}
+RIGHT_ROUTE = {"graph_only": "graph", "direct": "passage"}  # as ``first_route`` names them
 STAGES = ("after SFT", "after stage 1", "after stage 2")
 
 
@@ -163,13 +163,16 @@ def graph_share(modes) -> float | None:
     return sum(m in GRAPH_MODES for m in modes) / len(modes) if modes else None
 
 
+def first_route(modes) -> str | None:
+    """``"graph"`` or ``"passage"``: the retrieval an episode's first search used; None without one."""
+    modes = list(modes or ())
+    return None if not modes else "graph" if modes[0] in GRAPH_MODES else "passage"
+
+
 def right_route(kind: str, modes) -> bool | None:
-    """Whether an episode of a ``kind`` question took its type's right route (``RIGHT_ROUTES``)
+    """Whether an episode of a ``kind`` question took its type's right route (``RIGHT_ROUTE``)
     at its first search; an episode without a search did not; None for a type without one."""
-    if kind not in RIGHT_ROUTES:
-        return None
-    modes = list(modes)
-    return bool(modes) and modes[0] in RIGHT_ROUTES[kind]
+    return first_route(modes) == RIGHT_ROUTE[kind] if kind in RIGHT_ROUTE else None
 
 
 def typed_metrics(episodes: list[dict], kinds: dict[str, str]) -> dict:
@@ -307,9 +310,9 @@ def preference_by_type(policy: str, tokenizer, probes: dict[str, list[dict]]) ->
 
 
 def routing_accuracy(p_graph: dict[str, list[float]]) -> float:
-    """Share of probes whose more likely mode is their type's right one (``RIGHT_ROUTES``: graph
+    """Share of probes whose more likely mode is their type's right one (``RIGHT_ROUTE``: graph
     for ``graph_only``, passage for ``direct``)."""
-    right = [p > 0.5 if "graph" in RIGHT_ROUTES[kind] else p < 0.5 for kind, values in p_graph.items() for p in values]
+    right = [p > 0.5 if RIGHT_ROUTE[kind] == "graph" else p < 0.5 for kind, values in p_graph.items() for p in values]
     return sum(right) / len(right)
 
 
@@ -334,12 +337,6 @@ def preference_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def first_route(modes) -> str | None:
-    """``"graph"`` or ``"passage"``: the retrieval an episode's first search used; None without one."""
-    modes = list(modes or ())
-    return None if not modes else "graph" if modes[0] in GRAPH_MODES else "passage"
 
 
 def training_curves(trajectory_dir: Path, kinds: dict[str, str]) -> list[dict]:
@@ -371,19 +368,17 @@ def route_advantages(seed_runs: list[dict], first_step: int, last_step: int | No
     out = {}
     kinds = sorted({key.rsplit("/", 1)[1] for run in seed_runs for row in run["curves"] for key in row
                     if key.startswith("advantage/")})
-    for kind in kinds:
-        if kind not in RIGHT_ROUTES:
-            continue
-        right = "graph" if "graph" in RIGHT_ROUTES[kind] else "passage"
+    rows = [row for run in seed_runs for row in run["curves"]
+            if row["step"] >= first_step and (last_step is None or row["step"] <= last_step)]
+    for kind in (k for k in kinds if k in RIGHT_ROUTE):
+        right = RIGHT_ROUTE[kind]
         other = "passage" if right == "graph" else "graph"
-        rows = [row for run in seed_runs for row in run["curves"]
-                if row["step"] >= first_step and (last_step is None or row["step"] <= last_step)]
-        pairs = [(row[f"advantage/{right}/{kind}"], row[f"advantage/{other}/{kind}"]) for row in rows
-                 if row.get(f"advantage/{right}/{kind}") is not None and row.get(f"advantage/{other}/{kind}") is not None]
-        mean = (lambda xs: statistics.fmean(xs) if xs else None)
+        by_step = [(row.get(f"advantage/{right}/{kind}"), row.get(f"advantage/{other}/{kind}")) for row in rows]
+        pairs = [(a, b) for a, b in by_step if a is not None and b is not None]
+        right_values, other_values = ([v for v in side if v is not None] for side in zip(*by_step)) if by_step else ([], [])
         out[kind] = {"right_route": right,
-                     "advantage_right": mean([row[f"advantage/{right}/{kind}"] for row in rows if row.get(f"advantage/{right}/{kind}") is not None]),
-                     "advantage_other": mean([row[f"advantage/{other}/{kind}"] for row in rows if row.get(f"advantage/{other}/{kind}") is not None]),
+                     "advantage_right": statistics.fmean(right_values) if right_values else None,
+                     "advantage_other": statistics.fmean(other_values) if other_values else None,
                      "steps_right_ahead": sum(a > b for a, b in pairs), "steps_compared": len(pairs)}
     return out
 
