@@ -15,7 +15,7 @@ Sections:
   (prompt 128 random token ids, 128 new tokens, temperature 1, seeded per-prompt streams as the
   rollout uses them, plus one unseeded run; end-of-sequence ids switched off so every prompt yields
   exactly 128 tokens). Each is timed twice, ``first`` and ``repeat``: the first call meets every
-  cache length for the first time. SmolLM2-135M has its real weights (``--smollm``); the
+  cache length for the first time. SmolLM2-135M is ``--smollm`` (its real weights by default); the
   Qwen2.5-1.5B shape has random weights. ``--disable-cudnn-sdpa`` keeps attention off cuDNN.
 - ``engine_profile``: one decode step of the engine split into the model forward and the sampling.
 - ``rollout``: multi-turn RouteRAG episodes (SmolLM2-135M, ``--smollm``) on the rollout loop of
@@ -278,7 +278,7 @@ def apply_sdpa_choice(args) -> None:
 
 def section_engine_smollm2(args) -> dict:
     engine = HFEngine(args.smollm, device=args.device, dtype=compute_dtype(args))
-    return bench_engine(args, engine, "SmolLM2-135M-Instruct (real weights)")
+    return bench_engine(args, engine, f"SmolLM2-135M shape from --smollm {args.smollm}")  # real weights unless the spec says otherwise
 
 
 def section_engine_qwen(args) -> dict:
