@@ -102,6 +102,9 @@ class RunConfig:
     checkpoint_every: int = 1
     resume: bool = True  # pick up the latest complete checkpoint in out_dir
     keep_checkpoints: int = 2
+    # > 0: a copy of the policy of every checkpoint whose step is a multiple of this, kept under
+    # policies/step-N after the checkpoint itself is pruned (to read a run's policy over its steps)
+    keep_policy_every: int = 0
     dump_trajectories: bool = False
 
 

@@ -263,7 +263,8 @@ def train(cfg, runtime=None, stop_at: float | None = None) -> dict:
                 state = {"sampler": sampler.state_dict(), "weight_version": rt.learners.version,
                          "sft_policy_dir": (sft or {}).get("policy_dir")}
                 record["checkpoint"] = str(save_checkpoint(rt.learners, storage, step + 1, state,
-                                                           int(cfg.run.keep_checkpoints)))
+                                                           int(cfg.run.keep_checkpoints),
+                                                           int(cfg.run.keep_policy_every)))
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", em=f"{record['em']:.2f}")
             last = record
             if stopping:

@@ -273,7 +273,7 @@ def _download_in_actor(actor_self, storage_root: str, rel: str) -> str:
     return str(RunStorage(storage_root).download(rel))
 
 
-def save_checkpoint(learners, out_dir, step: int, trainer_state: dict, keep: int):
+def save_checkpoint(learners, out_dir, step: int, trainer_state: dict, keep: int, keep_policy_every: int = 0):
     """Write step ``step``'s checkpoint under ``out_dir`` (a ``RunStorage`` or a local directory).
 
     The learners write the policy and optimizer, the driver ``trainer_state.json``, all into
@@ -297,10 +297,36 @@ def save_checkpoint(learners, out_dir, step: int, trainer_state: dict, keep: int
     storage.write_text(f"{tmp_rel}/{CHECKPOINT_MARKER}", json.dumps({"step": step, **trainer_state}))
     _hold_before_commit(storage.uri(tmp_rel), step)
     storage.commit_directory(tmp_rel, final_rel, CHECKPOINT_MARKER)  # only now does latest_checkpoint see it
+    if keep_policy_every > 0 and step % keep_policy_every == 0:
+        keep_policy(storage, final_rel, step)
     steps = [n for n in storage.list_dirs("checkpoints") if n.startswith("step-")]
     for old in steps[:-keep] if keep > 0 else []:
         storage.remove(f"checkpoints/{old}")
     return storage.uri(final_rel) if storage.is_remote else Path(storage.uri(final_rel))
+
+
+KEPT_POLICY_MARKER = "kept_policy.json"  # written last, as a checkpoint's marker
+
+
+def keep_policy(storage, checkpoint_rel: str, step: int) -> None:
+    """Copy the committed checkpoint's ``policy/`` to ``policies/step-N``, which pruning never removes.
+
+    Staged and committed like a checkpoint, so ``kept_policies`` never lists a half-copied policy.
+    """
+    tmp_rel, final_rel = f"policies/.tmp-step-{step:06d}", f"policies/step-{step:06d}"
+    storage.remove(tmp_rel)
+    storage.upload(storage.download(f"{checkpoint_rel}/policy"), tmp_rel)
+    storage.write_text(f"{tmp_rel}/{KEPT_POLICY_MARKER}", json.dumps({"step": step, "checkpoint": checkpoint_rel}))
+    storage.commit_directory(tmp_rel, final_rel, KEPT_POLICY_MARKER)
+
+
+def kept_policies(out_dir) -> list:
+    """The policies ``run.keep_policy_every`` kept, in step order (paths or URIs)."""
+    storage = _as_storage(out_dir)
+    names = [n for n in storage.list_dirs("policies")
+             if n.startswith("step-") and storage.exists(f"policies/{n}/{KEPT_POLICY_MARKER}")]
+    return [storage.uri(f"policies/{n}") if storage.is_remote else Path(storage.uri(f"policies/{n}"))
+            for n in sorted(names)]
 
 
 def restore_checkpoint(learners, out_dir, checkpoint) -> dict:

@@ -182,7 +182,7 @@ def test_configs_built_in_python_or_edited_are_checked_like_loaded_ones():
     lines = str(err.value).splitlines()[1:]
     assert lines == ["  demo: run.steps: must be int, got 'five' (str)",
                      "  demo: unknown config key 'run.stepz': no 'stepz' under 'run'; known: ['checkpoint_every', "
-                     "'dump_trajectories', 'keep_checkpoints', 'name', 'out_dir', 'resume', 'seed', 'steps']",
+                     "'dump_trajectories', 'keep_checkpoints', 'keep_policy_every', 'name', 'out_dir', 'resume', 'seed', 'steps']",
                      lines[2]]
     assert lines[2].startswith("  demo: unknown config key 'learner.zero_stag'")
     cfg.method = "no_such_method"  # a fixed section's str field accepts it; validation does not

@@ -347,6 +347,45 @@ def test_batch_sizes_are_validated(stage_runs, batch):
         learner.update(batch)  # teacher KL is on but the batch has no teacher inputs
 
 
+@pytest.mark.parametrize("kind", ["shared path", "remote URI"])
+def test_kept_policies_outlive_checkpoint_pruning_and_equal_their_checkpoints_policy(tiny_model, batch, kind, tmp_path):
+    """``run.keep_policy_every``: with one checkpoint kept and every 2nd policy kept, after four saves
+    only step 4's checkpoint is left, but the policies of steps 2 and 4 are, each a byte copy of its
+    checkpoint's ``policy/`` taken at save time (step 2 is trained once more before step 3's save)."""
+    import json
+    import secrets
+
+    from actors.storage import RunStorage
+    from experiments.training import KEPT_POLICY_MARKER, kept_policies, save_checkpoint
+
+    MODEL["path"] = tiny_model
+    learner = Learner(config(zero_stage=0, micro_batch_size=4))
+    storage = RunStorage(str(tmp_path / "run")) if kind == "shared path" else \
+        RunStorage.resolve(f"memory://raggym-test-{secrets.token_hex(4)}/run")
+
+    def policy_files(rel):
+        local = storage.download(rel)
+        return {p.relative_to(local).as_posix(): p.read_bytes() for p in sorted(local.rglob("*"))
+                if p.is_file() and p.name != KEPT_POLICY_MARKER}
+
+    at_save = {}
+    for step in (1, 2, 3, 4):
+        if step == 3:
+            learner.update(batch, step=0)  # the weights change between the kept steps
+        save_checkpoint(learner, storage, step, {"weight_version": step}, keep=1, keep_policy_every=2)
+        at_save[step] = policy_files(f"checkpoints/step-{step:06d}/policy")
+    assert storage.list_dirs("checkpoints") == ["step-000004"]
+    assert [str(p) for p in kept_policies(storage)] == [storage.uri("policies/step-000002"), storage.uri("policies/step-000004")]
+    assert storage.list_dirs("policies") == ["step-000002", "step-000004"]  # no staging directory left
+    for step in (2, 4):
+        assert policy_files(f"policies/step-{step:06d}") == at_save[step]
+        assert json.loads(storage.read_text(f"policies/step-{step:06d}/{KEPT_POLICY_MARKER}"))["step"] == step
+    assert at_save[2]["model.safetensors"] != at_save[4]["model.safetensors"]
+    # a copy without its marker (interrupted) is not a kept policy
+    storage.write_text("policies/step-000006/config.json", "{}")
+    assert len(kept_policies(storage)) == 2
+
+
 def test_checkpoint_resumes_exactly_even_under_another_zero_stage(stage_runs, batch, tmp_path):
     """Save after one update (ZeRO-0), load into fresh ZeRO-2 and ZeRO-3 learners: the next steps match."""
     from safetensors.torch import load_file
