@@ -48,8 +48,8 @@ test: $(STAMP)
 # The heavy end-to-end modules (marked `integration`): a token-auth Ray cluster with GRPO runs, a
 # killed run resumed as a Ray job, the README's serve command stopped by SIGTERM, one training step
 # of each of the six tiny configs, six routing GRPO steps that must raise the graph preference on
-# graph-needing questions, and the 60-question MuSiQue recall claim. CI runs them after
-# `make test`.
+# graph-needing questions, the 60-question MuSiQue recall claim, and the evaluation CLI's small real
+# run through Ray. CI runs them after `make test`.
 test-integration: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m integration tests
 

@@ -174,6 +174,7 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.integration  # ~100 s of SmolLM2 through Ray: CI runs it in make test-integration
 def test_small_real_run_through_ray(ray_local, tmp_path):
     """SmolLM2 on a tiny synthetic world written without OpenIE (a graph-less index): 4 questions,
     vanilla RAG and the agent; hybrid_only is skipped with its reason."""
