@@ -234,16 +234,22 @@ def _as_storage(location):
     return location if isinstance(location, RunStorage) else RunStorage.resolve(location)
 
 
+def _location(storage, rel: str):
+    """``rel``'s ``Path`` on a filesystem, its URI on remote storage."""
+    return storage.uri(rel) if storage.is_remote else Path(storage.uri(rel))
+
+
+def _committed_steps(storage, folder: str, marker: str) -> list:
+    """The ``step-N`` directories under ``folder`` whose ``marker`` was written (committed), in step order."""
+    names = [n for n in storage.list_dirs(folder) if n.startswith("step-") and storage.exists(f"{folder}/{n}/{marker}")]
+    return [_location(storage, f"{folder}/{n}") for n in sorted(names)]
+
+
 def latest_checkpoint(out_dir):
     """The newest committed checkpoint under ``out_dir`` (a local directory or a ``RunStorage``):
     its ``Path`` on a filesystem, its URI on remote storage, ``None`` when there is none."""
-    storage = _as_storage(out_dir)
-    done = [name for name in storage.list_dirs("checkpoints")
-            if name.startswith("step-") and storage.exists(f"checkpoints/{name}/{CHECKPOINT_MARKER}")]
-    if not done:
-        return None
-    uri = storage.uri(f"checkpoints/{done[-1]}")
-    return uri if storage.is_remote else Path(uri)
+    done = _committed_steps(_as_storage(out_dir), "checkpoints", CHECKPOINT_MARKER)
+    return done[-1] if done else None
 
 
 HOLD_CHECKPOINT_ENV = "RAGGYM_TEST_HOLD_CHECKPOINT"
@@ -302,7 +308,7 @@ def save_checkpoint(learners, out_dir, step: int, trainer_state: dict, keep: int
     steps = [n for n in storage.list_dirs("checkpoints") if n.startswith("step-")]
     for old in steps[:-keep] if keep > 0 else []:
         storage.remove(f"checkpoints/{old}")
-    return storage.uri(final_rel) if storage.is_remote else Path(storage.uri(final_rel))
+    return _location(storage, final_rel)
 
 
 KEPT_POLICY_MARKER = "kept_policy.json"  # written last, as a checkpoint's marker
@@ -322,11 +328,7 @@ def keep_policy(storage, checkpoint_rel: str, step: int) -> None:
 
 def kept_policies(out_dir) -> list:
     """The policies ``run.keep_policy_every`` kept, in step order (paths or URIs)."""
-    storage = _as_storage(out_dir)
-    names = [n for n in storage.list_dirs("policies")
-             if n.startswith("step-") and storage.exists(f"policies/{n}/{KEPT_POLICY_MARKER}")]
-    return [storage.uri(f"policies/{n}") if storage.is_remote else Path(storage.uri(f"policies/{n}"))
-            for n in sorted(names)]
+    return _committed_steps(_as_storage(out_dir), "policies", KEPT_POLICY_MARKER)
 
 
 def restore_checkpoint(learners, out_dir, checkpoint) -> dict:
