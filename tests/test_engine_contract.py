@@ -78,12 +78,17 @@ class AsyncEngineAsBatch:
         self.loop.close()
 
 
+# fp32 and eager mode are vLLM's CPU defaults; named here so that on a GPU (bf16 and CUDA graphs by
+# default) the same tests compare the same fp32 model with the fp32 learner.
+VLLM_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_gib": 1}
+
+
 def build_engine(kind: str):
     if kind == "hf":
         return HFEngine("smollm2-135m", num_threads=1)
     if kind == "vllm":
-        return VLLMEngine("smollm2-135m", kv_cache_gib=1)
-    return AsyncEngineAsBatch(AsyncVLLMEngine("smollm2-135m", kv_cache_gib=1))
+        return VLLMEngine("smollm2-135m", **VLLM_ARGS)
+    return AsyncEngineAsBatch(AsyncVLLMEngine("smollm2-135m", **VLLM_ARGS))
 
 
 @pytest.fixture(scope="module", params=ENGINE_KINDS)
