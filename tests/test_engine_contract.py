@@ -222,12 +222,9 @@ def sample_and_train(learner, engine, prompts, seed: int):
     return results
 
 
-# vLLM only: the HF engine's sync from a DeepSpeed learner group is test_weight_sync.py's. LoRA goes
-# through the same update_weights as a full step (merged weights), so it runs on one vLLM engine.
-@pytest.mark.parametrize(("engine", "lora"), [("vllm", None), ("vllm", {"r": 16, "alpha": 32}), ("vllm-async", None)],
-                         ids=["vllm-full", "vllm-lora-r16", "vllm-async-full"], indirect=["engine"])
-def test_after_a_learner_step_and_a_sync_the_engine_reports_the_learners_logprobs(engine, prompts, lora):
-    # A fresh learner per case: the module's `learner` must stay at the checkpoint's weights.
+def check_learner_step_then_sync(engine, prompts, lora):
+    """One learner step on the engine's samples, then a sync: the engine must report the moved
+    learner's log-probs. A fresh learner per case: the module's `learner` stays at the checkpoint."""
     trained = Learner(LearnerConfig.from_dict({
         "model": "smollm2-135m", "zero_stage": 0, "micro_batch_size": 4, "mini_batch_size": 4, "num_threads": 1,
         "seed": 0, "lora": lora, "optimizer": {"lr": 1e-3 if lora else 1e-4, "weight_decay": 0.0}}))
@@ -245,6 +242,20 @@ def test_after_a_learner_step_and_a_sync_the_engine_reports_the_learners_logprob
         assert_learner_logprobs(trained, prompts * 2, fresh)
     finally:
         assert engine.update_weights(original, version=0) == 0
+
+
+# vLLM only: the HF engine's sync from a DeepSpeed learner group is test_weight_sync.py's. Each test
+# takes the module's engine by a plain value, one engine per parametrize entry: pytest then reuses
+# the running engine (a tuple parametrization with LoRA settings made it start vLLM three more times).
+@pytest.mark.parametrize("engine", ["vllm", "vllm-async"], indirect=True)
+def test_after_a_learner_step_and_a_sync_the_engine_reports_the_learners_logprobs(engine, prompts):
+    check_learner_step_then_sync(engine, prompts, lora=None)
+
+
+# LoRA goes through the same update_weights as a full step (merged weights), so one vLLM engine runs it.
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_a_lora_r16_step_synced_as_merged_weights_gives_the_learners_logprobs(engine, prompts):
+    check_learner_step_then_sync(engine, prompts, lora={"r": 16, "alpha": 32})
 
 
 # --------------------------------------------------------------------- vLLM sessions and the prefix cache
