@@ -41,7 +41,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Two pytest workers, one test module each at a time (module fixtures such as a shared Ray
-# session stay in one process): Ray start-up and HTTP waits overlap with compute.
+# session stay in one process): Ray start-up and HTTP waits overlap with compute. The heaviest
+# modules (tests/conftest.py, MEMORY_HEAVY_MODULES) run one after another on one worker: two of
+# them side by side outgrew this machine's 24 GB.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 

@@ -53,6 +53,7 @@ from raggym.atomic import atomic_directory, atomic_write_json
 from raggym.data.golden import with_golden_trajectories
 from raggym.data.synthetic import generate_world
 from raggym.models import apply_lora, load_policy, load_policy_tokenizer, lora_settings
+from raggym.process_memory import release_freed_memory
 from raggym.protocol import DIALECTS, get_dialect  # DIALECTS: the six built-ins plus register_dialect's
 from raggym.retrieval import Retriever
 
@@ -551,6 +552,10 @@ def run_sft(policy: str, examples: list[dict], out_dir, *, epochs=1, lr=5e-6, ba
     if lora_cfg is not None:
         model = model.merge_and_unload()  # export plain HF weights: W + (alpha/r)·B·A, no adapters
     policy_dir = export_policy(model, tokenizer, out / "policy")
+    # The caller goes on in this process (the routing study starts its RL runtime next); glibc would
+    # keep the pages of the activations, gradients and optimizer state: give them back.
+    del model, optimizer, schedule, params
+    release_freed_memory()
     summary = {
         "policy_dir": str(policy_dir),
         "steps": step,

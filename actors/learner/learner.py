@@ -71,6 +71,7 @@ from raggym.algorithms.losses import LOSS_AGGREGATIONS
 from raggym.algorithms.policy_loss import PolicyLoss, PolicyLossInputs
 from raggym.algorithms.shared_prompt import PackedBatch, pack_sequences, shared_prompt_order
 from raggym.models import apply_lora, load_policy
+from raggym.process_memory import release_freed_memory
 
 
 class Learner:
@@ -414,12 +415,17 @@ class Learner:
                 pi_old.end_mini_batch()
                 log.end_mini_batch()
         self.version += 1
-        return log.metrics(
+        metrics = log.metrics(
             self._tokens_computed, self._tokens_padded, **pi_old.drift,
             **self.policy_loss.summarize(log.totals, cfg.ppo_epochs),
             optimizer_steps=float(cfg.ppo_epochs * (n // per_rank)), old_logprobs_recomputed=float(pi_old.recomputed),
             lr=float(self.optimizer.param_groups[0]["lr"]), weight_version=float(self.version),
         )
+        # The step's activations and gradients are freed, but glibc keeps their pages: on CPU a
+        # SmolLM2-135M learner grew from 2.6 GB to 9.7 GB over two steps of 16 x 500 tokens
+        # without this, and stayed at 2.6 GB with it (raggym.process_memory).
+        release_freed_memory()
+        return metrics
 
     def _check_batch(self, batch: TrainBatch) -> tuple[int, int]:
         """``(sequences, per-rank mini-batch size)``; the batch must hold what the loss terms read."""
@@ -600,7 +606,10 @@ class Learner:
         import ray
 
         flat = self.get_weights(dtype)
-        return [ray.put(flat)] if flat is not None else []
+        refs = [ray.put(flat)] if flat is not None else []
+        del flat  # the object store holds the copy now
+        release_freed_memory()
+        return refs
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo") -> None:
         """Rank 0 becomes the sender (rank 0) of a ``WeightSyncGroup``; other ranks do nothing."""
@@ -616,7 +625,10 @@ class Learner:
             return 0
         if self._sync_group is None:
             raise RuntimeError("call init_weight_sync before broadcast_weights")
-        return self._sync_group.send(named, self.version)
+        sent = self._sync_group.send(named, self.version)
+        del named
+        release_freed_memory()  # the gathered, cast copies of the weights
+        return sent
 
     # ------------------------------------------------------------------ checkpoints
 
