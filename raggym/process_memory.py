@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import sys
@@ -21,6 +22,7 @@ import sys
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+@functools.cache  # find_library runs ldconfig in a subprocess: look libc up once, not per release
 def _glibc():
     if not sys.platform.startswith("linux"):
         return None

@@ -143,11 +143,6 @@ def hf_engine():
 
 # ----------------------------------------------------------------------------- memory between modules
 
-def return_memory_to_os() -> None:
-    """Collect garbage and hand the allocator's free pages back to the OS (glibc's malloc_trim)."""
-    release_freed_memory()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _return_memory_after_each_module():
     """Give a module's freed memory back to the OS before the next module starts.
@@ -158,7 +153,7 @@ def _return_memory_after_each_module():
     once pushed the node past Ray's memory threshold when two heavy modules overlapped (measured
     peak of `make test`: 21.7 GB without, 19.5 GB with)."""
     yield
-    return_memory_to_os()
+    release_freed_memory()
 
 
 # ----------------------------------------------------------------------------- memory-heavy modules one at a time

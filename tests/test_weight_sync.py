@@ -18,8 +18,8 @@ import torch
 from actors.engines import RolloutWorker, SamplingParams
 from actors.learner import Learner, LearnerConfig, LearnerGroup, make_train_batch
 from actors.weight_sync import FlatWeights, WeightSyncGroup, layout, pick_free_port
-from conftest import return_memory_to_os
 from ray_world import wait_until_restarted
+from raggym.process_memory import release_freed_memory
 
 QUESTIONS = ["What is the capital of France?", "Name three colours."]
 MAX_NEW = 8
@@ -97,7 +97,7 @@ def _return_memory_after_each_test():
     # This module's actors are the heaviest of `make test` (two learners, two engines); the
     # single-learner check also builds a whole optimizer in this process. Free it at once.
     yield
-    return_memory_to_os()
+    release_freed_memory()
 
 
 def learner_config(**overrides) -> LearnerConfig:
