@@ -27,6 +27,10 @@ generator with ``Generator.set_offset``, which CPU generators do not implement (
 does not use offset", the engine core dies). Whole prefills never rewind, so each request draws
 one sample per step from its own generator and its tokens do not depend on the batch.
 
+On a GPU: bf16 and CUDA graphs by default. An fp32 engine (to match an fp32 learner) also sets
+``TRITON_F32_DEFAULT=ieee`` unless it is set: vLLM's fp32 attention is a Triton kernel, and
+Triton's fp32 dot is TF32 by default, ~1e-3 per token of log-prob drift on a lent H100.
+
 Model sources: an embedded GGUF spec such as ``"smollm2-135m"`` loads the de-quantized HF copy
 that ``raggym.models.converted_checkpoint`` writes; local HF dirs and hub ids load as they are.
 
@@ -51,6 +55,8 @@ from actors.weight_sync import FlatWeights, named_tensors_of
 
 WORKER_EXTENSION = "actors.engines.vllm_worker.WeightSyncWorkerExtension"
 DEFAULT_CPU_KV_CACHE_GIB = 2.0  # SmolLM2-135M in fp32 keeps ~23k tokens per GiB
+FLOAT32_NAMES = {"float32", "float", "fp32"}
+TRITON_FP32_SWITCH = "TRITON_F32_DEFAULT"  # Triton's default precision of an fp32 dot: "tf32" or "ieee"
 
 
 class VLLMUnavailableError(ImportError):
@@ -129,6 +135,12 @@ def engine_arguments(model: str, *, dtype: str | None = None, enforce_eager: boo
         kwargs["enable_chunked_prefill"] = False  # per-request seeds crash with chunked prefill on CPU
     else:
         kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        if str(kwargs["dtype"]).removeprefix("torch.") in FLOAT32_NAMES:
+            # fp32 is asked for to match an fp32 learner, but vLLM runs fp32 attention on Triton,
+            # and Triton computes an fp32 `tl.dot` in TF32 unless told otherwise: the engine's
+            # log-probs were ~1e-3 per token from the learner's on a lent H100, ~5e-6 with IEEE
+            # dots on a lent H200 (docs/benchmarks.md). The engine core inherits the environment.
+            os.environ.setdefault(TRITON_FP32_SWITCH, "ieee")
     kwargs.update(extra)
     return kwargs
 
