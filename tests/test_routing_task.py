@@ -310,10 +310,19 @@ def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
     assert finished_seed(tmp_path, settings, args) is None  # nothing there
     (tmp_path / "seed_report.json").write_text(json.dumps({"seed": 0, "settings": _seed_settings_key(settings, args)}))
     assert finished_seed(tmp_path, settings, args)["seed"] == 0
-    assert finished_seed(tmp_path, SeedSettings(stage1_steps=3), args) is None  # other settings: run again
-    assert finished_seed(tmp_path, settings, build_parser().parse_args(["--heldout", "10"])) is None  # other task
+    written = (tmp_path / "seed_report.json").read_text()
+    # a finished seed is never run over: other settings (a repeated override included) or another
+    # task is an error naming what differs, and the report stays as it was
+    with pytest.raises(ValueError, match=r"stage1_steps.*\(12, 3\)"):
+        finished_seed(tmp_path, SeedSettings(stage1_steps=3, overrides=settings.overrides), args)
+    with pytest.raises(ValueError, match="overrides"):
+        finished_seed(tmp_path, SeedSettings(overrides=settings.overrides * 2), args)
+    with pytest.raises(ValueError, match=r"heldout.*\(64, 10\)"):
+        finished_seed(tmp_path, settings, build_parser().parse_args(["--heldout", "10"]))
+    assert (tmp_path / "seed_report.json").read_text() == written
     (tmp_path / "seed_report.json").write_text("{not json")
-    assert finished_seed(tmp_path, settings, args) is None
+    with pytest.raises(ValueError, match="seed_report.json: not a readable seed report"):
+        finished_seed(tmp_path, settings, args)
 
 
 def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_path):

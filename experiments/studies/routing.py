@@ -40,7 +40,8 @@ passed, after the RL step or part of a seed (SFT, an evaluation, a stage) it is 
 status 3; every finished part is in ``<out>/seed<N>/progress.json`` and the RL run has a checkpoint
 at its last step, so the same command, run again (in another session, after a reboot, or after
 Ctrl-C, which loses the step in progress), goes on from there and redoes nothing. A seed folder
-started with other settings is refused, not mixed.
+started or finished with other settings (a repeated override counts) is refused, naming what
+differs: never mixed, never run over.
 
 The same functions run one seed inside ``make demo`` (``experiments.demo``).
 """
@@ -468,6 +469,11 @@ class SeedStopped(Exception):
     """A seed stopped at ``stop_at`` with its progress saved; the same command goes on from there."""
 
 
+def settings_differences(earlier: dict, now: dict) -> dict:
+    """``{key: (earlier value, value now)}`` for each setting that differs."""
+    return {k: (earlier.get(k), v) for k, v in now.items() if earlier.get(k) != v}
+
+
 class SeedProgress:
     """What a seed has finished, in ``<seed dir>/progress.json`` (rewritten atomically after each
     part), so that a seed split over several sittings redoes nothing: the SFT summary, each
@@ -483,7 +489,7 @@ class SeedProgress:
                 earlier = json.loads(self.path.read_text(encoding="utf-8"))
             except ValueError as e:
                 raise ValueError(f"{self.path}: not readable JSON ({e}); move it away to start the seed again") from e
-            differing = {k: (earlier["settings"].get(k), v) for k, v in key.items() if earlier["settings"].get(k) != v}
+            differing = settings_differences(earlier["settings"], key)
             if differing:
                 raise ValueError(f"{seed_dir} holds a seed started with other settings (key: (earlier, now)): {differing}; "
                                  "give another --out, or move that folder away to start again")
@@ -890,14 +896,21 @@ def _task_key(args) -> dict:
 
 
 def finished_seed(seed_dir: Path, settings: SeedSettings, args) -> dict | None:
-    """The seed report an earlier invocation wrote with the same settings, or None (absent,
-    unreadable, or other settings: the seed runs again)."""
+    """The seed report an earlier invocation wrote with the same settings, or None when there is none.
+    A report that is unreadable or was written with other settings is an error naming the file (and
+    what differs): running the seed again would overwrite an hour of CPU, so that is the user's call."""
     path = seed_dir / "seed_report.json"
+    if not path.exists():
+        return None
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return report if report.get("settings") == _seed_settings_key(settings, args) else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable seed report ({e}); move it away to run the seed again") from e
+    differing = settings_differences(report.get("settings") or {}, _seed_settings_key(settings, args))
+    if differing:
+        raise ValueError(f"{path} was written with other settings (key: (earlier, now)): {differing}; "
+                         "give another --out, or move that folder away to run the seed again")
+    return report
 
 
 def build_parser() -> argparse.ArgumentParser:
