@@ -881,7 +881,7 @@ def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | 
     wanted = {k: getattr(settings, k) for k in SFT_KEYS} | dict(task_key or {})
     # a setting added after the earlier run was written is read as its default, which that run used
     earlier = {**vars(SeedSettings()), **earlier}
-    differing = {k: (earlier.get(k), v) for k, v in wanted.items() if earlier.get(k) != v}
+    differing = settings_differences(earlier, wanted)
     if differing:
         raise ValueError(f"--sft-from: {report_path} trained SFT with other settings "
                          f"(key: (earlier, now)): {differing}")
