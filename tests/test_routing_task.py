@@ -222,6 +222,59 @@ def test_training_curves_advantage_by_first_route_by_hand(tmp_path):
     assert route_advantages([{"curves": curves}], first_step=2)["direct"]["steps_compared"] == 1
 
 
+def _write_run(run_dir, steps, metrics):
+    (run_dir / "trajectories").mkdir(parents=True)
+    for step, rows in steps.items():
+        (run_dir / "trajectories" / f"step-{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def test_training_blocks_by_hand(tmp_path):
+    from experiments.studies.routing import training_blocks, training_blocks_markdown
+
+    kinds = {"g1": "graph_only", "d1": "direct"}
+    t = _trajectory
+    steps = {1: [t("g1", ["graph"], 1.0), t("g1", ["passage"], -1.0), t("d1", ["passage"], 0.5), t("d1", ["graph"], -0.5)],
+             2: [t("g1", ["graph"], 0.4), t("g1", ["passage"], -0.4), t("d1", ["graph"], 0.2), t("d1", ["passage"], -0.2)],
+             3: [t("g1", ["graph"], 0.6), t("d1", ["passage"], 0.3)],
+             4: [t("g1", ["passage"], 0.2), t("g1", ["graph"], -0.2), t("d1", ["passage"], 0.8), t("d1", ["graph"], -0.8)]}
+    seconds = {1: (60, 50, 10), 2: (90, 80, 10), 3: (100, 130, 10), 4: (150, 140, 10)}
+    metrics = [{"step": s, "em": em, "time/rollout": seconds[s][0], "time/learn": seconds[s][1], "time/sync": seconds[s][2]}
+               for s, em in ((1, 0.5), (2, 0.0), (2, 0.25), (3, 0.75), (4, 1.0))]  # step 2 redone after a stop: its last record counts
+    _write_run(tmp_path, steps, metrics)
+    rows = training_blocks(tmp_path, kinds, stage1_steps=1, block=2)
+    assert [(r["steps"], r["stage"]) for r in rows] == [((1, 1), 1), ((2, 3), 2), ((4, 4), 2), ((2, 4), 2)]
+    first, block, last, stage2 = rows
+    assert first["em"] == 0.5 and first["minutes_per_step"] == pytest.approx(2.0)
+    assert block["em"] == pytest.approx(0.5) and block["minutes_per_step"] == pytest.approx(3.5)
+    assert block["graph_share/graph_only"] == pytest.approx(0.75) and block["graph_share/direct"] == pytest.approx(0.25)
+    assert block["route_advantages"]["graph_only"] == {"right_route": "graph", "advantage_right": pytest.approx(0.5),
+                                                       "advantage_other": pytest.approx(-0.4), "steps_right_ahead": 1,
+                                                       "steps_compared": 1}
+    assert block["route_advantages"]["direct"]["steps_right_ahead"] == 0  # passage -0.2 behind graph +0.2 at step 2
+    assert last["route_advantages"]["graph_only"]["steps_right_ahead"] == 0
+    assert stage2["em"] == pytest.approx(2 / 3) and stage2["graph_share/direct"] == pytest.approx(1 / 3)
+    assert stage2["route_advantages"]["direct"]["advantage_right"] == pytest.approx(0.3)
+    assert stage2["route_advantages"]["direct"]["advantage_other"] == pytest.approx(-0.3)
+    assert (stage2["route_advantages"]["graph_only"]["steps_right_ahead"], stage2["minutes_per_step"]) == (1, pytest.approx(4.0))
+    table = training_blocks_markdown(rows)
+    assert "| 2-3 | 2 | 0.500 | 0.750 | 0.250 | +0.500 / -0.400 | +0.050 / +0.200 | 1 of 1 / 0 of 1 | 3.5 |" in table
+    # a seed still in stage 1 shows only the steps it trained
+    assert [r["steps"] for r in training_blocks(tmp_path, kinds, stage1_steps=5, block=2)] == [(1, 2), (3, 4)]
+    # one stage-2 block needs no row over all of stage 2
+    assert [r["steps"] for r in training_blocks(tmp_path, kinds, stage1_steps=2, block=2)] == [(1, 2), (3, 4)]
+    with pytest.raises(ValueError, match="block must be at least 1"):
+        training_blocks(tmp_path, kinds, stage1_steps=1, block=0)
+
+
+def test_show_progress_reads_without_training(tmp_path, capsys):
+    from experiments.studies.routing import main
+
+    assert main(["--show-progress", "--out", str(tmp_path), "--seeds", "4", "--entities", "240", "--questions", "120"]) == 0
+    assert "seed 4: no RL step yet" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 def _routed_stage(em_graph_only, cost, route_acc, routing_acc=None):
     kinds = {"graph_only": {"em": em_graph_only, "graph_share": 0.5, "cost_per_question": cost, "searches_per_question": 1.0},
              "all": {"em": 0.6, "graph_share": 0.5, "cost_per_question": cost, "searches_per_question": 1.0,

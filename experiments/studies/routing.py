@@ -41,7 +41,10 @@ status 3; every finished part is in ``<out>/seed<N>/progress.json`` and the RL r
 at its last step, so the same command, run again (in another session, after a reboot, or after
 Ctrl-C, which loses the step in progress), goes on from there and redoes nothing. A seed folder
 started or finished with other settings (a repeated override counts) is refused, naming what
-differs: never mixed, never run over.
+differs: never mixed, never run over. A sitting that stops prints the seed's RL steps so far in
+blocks (training EM, graph share and route advantages per type, minutes per step);
+``--show-progress`` prints the same for every seed at any time, from another shell while the
+study trains, without training or writing anything.
 
 The same functions run one seed inside ``make demo`` (``experiments.demo``).
 """
@@ -382,6 +385,56 @@ def route_advantages(seed_runs: list[dict], first_step: int, last_step: int | No
                      "advantage_other": statistics.fmean(other_values) if other_values else None,
                      "steps_right_ahead": sum(a > b for a, b in pairs), "steps_compared": len(pairs)}
     return out
+
+
+def training_blocks(run_dir: Path, kinds: dict[str, str], stage1_steps: int, block: int = 5) -> list[dict]:
+    """A seed's RL run so far (``<seed>/grpo``), in blocks of ``block`` steps that never straddle
+    the stage boundary, then one row over all of stage 2's steps: per block the mean training EM,
+    each type's graph share and route advantages (both as means over the block's steps, as
+    ``route_advantages`` takes them) and the minutes per step. What a sitting has taught so far,
+    readable while the seed is still training."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1 step, not {block}")
+    metrics = {row["step"]: row for row in read_jsonl(run_dir / "metrics.jsonl")}  # a redone step: its last record
+    curves = [row for row in training_curves(run_dir / "trajectories", kinds) if row["step"] in metrics]
+    if not curves:
+        return []
+    last = curves[-1]["step"]
+    spans = [(a, min(a + block - 1, end)) for start, end in ((1, min(stage1_steps, last)), (stage1_steps + 1, last))
+             for a in range(start, end + 1, block)]
+    if last > stage1_steps + block:  # more than one stage-2 block: their sum too
+        spans.append((stage1_steps + 1, last))
+    rows = []
+    for first, final in spans:
+        steps = [row for row in curves if first <= row["step"] <= final]
+        if not steps:
+            continue
+        row = {"steps": (first, final), "stage": 1 if final <= stage1_steps else 2,
+               "em": statistics.fmean(metrics[r["step"]]["em"] for r in steps),
+               "minutes_per_step": statistics.fmean(sum(metrics[r["step"]].get(f"time/{part}", 0.0)
+                                                        for part in ("rollout", "learn", "sync")) for r in steps) / 60,
+               "route_advantages": route_advantages([{"curves": steps}], first)}
+        for kind in RIGHT_ROUTE:
+            shares = [r[f"graph_share/{kind}"] for r in steps if r.get(f"graph_share/{kind}") is not None]
+            row[f"graph_share/{kind}"] = statistics.fmean(shares) if shares else None
+        rows.append(row)
+    return rows
+
+
+def training_blocks_markdown(rows: list[dict]) -> str:
+    kinds = tuple(RIGHT_ROUTE)
+    lines = ["| steps | stage | EM | " + " | ".join(f"graph share `{k}`" for k in kinds) + " | "
+             + " | ".join(f"mean advantage `{k}`: {RIGHT_ROUTE[k]}-first / other" for k in kinds)
+             + " | steps the right route was ahead | min / step |", "|---" * (5 + 2 * len(kinds)) + "|"]
+    for row in rows:
+        advantages = [row["route_advantages"].get(k, {}) for k in kinds]
+        lines.append(f"| {row['steps'][0]}-{row['steps'][1]} | {row['stage']} | {row['em']:.3f} | "
+                     + " | ".join(_number(row[f"graph_share/{k}"]) for k in kinds) + " | "
+                     + " | ".join(f"{_number(a.get('advantage_right'), '+.3f')} / {_number(a.get('advantage_other'), '+.3f')}"
+                                  for a in advantages) + " | "
+                     + " / ".join(f"{a.get('steps_right_ahead', 0)} of {a.get('steps_compared', 0)}" for a in advantages)
+                     + f" | {row['minutes_per_step']:.1f} |")
+    return "\n".join(lines)
 
 
 def evaluate_policy(policy: str, task: RoutingTask, out: Path, eval_kwargs: dict, samples: int = 1,
@@ -931,8 +984,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop after this many minutes, at the next RL step or part of a seed, with every finished "
                         "part saved (exit status 3); the same command goes on from there")
+    p.add_argument("--show-progress", action="store_true",
+                   help="train nothing: print each seed's RL steps so far in blocks of --block steps "
+                        "(EM, graph share and route advantages per type, minutes per step)")
+    p.add_argument("--block", type=int, default=5, help="steps per row of --show-progress (default 5)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of routing_grpo.yaml")
     return p
+
+
+def show_progress(args) -> int:
+    """``--show-progress``: every seed's training blocks so far, read from ``--out`` (nothing is
+    trained or written)."""
+    world = generate_world(args.world_seed, n_entities=args.entities, n_questions=args.questions, task="routing")
+    kinds = {q.id: q.kind for q in world.questions}
+    for seed in args.seeds:
+        run_dir = Path(args.out) / f"seed{seed}" / "grpo"
+        if not (run_dir / "metrics.jsonl").exists():
+            print(f"seed {seed}: no RL step yet ({run_dir / 'metrics.jsonl'} does not exist)")
+            continue
+        print(f"seed {seed} ({run_dir}):\n{training_blocks_markdown(training_blocks(run_dir, kinds, args.stage1_steps, args.block))}")
+    return 0
 
 
 EVAL_KWARGS = dict(dialect="routerag", max_response_tokens=96, max_turn_tokens=48, top_k=3, retrieval_budget=2,
@@ -970,6 +1041,10 @@ def run(args) -> dict | None:
                            resumable=True, stop_at=stop_at)
         except SeedStopped as stopped:
             _say(f"{stopped} ({args.max_minutes} minutes are up); the same command goes on from there")
+            run_dir = out / f"seed{seed}" / "grpo"
+            if (run_dir / "metrics.jsonl").exists():
+                _say(f"seed {seed}'s RL so far:\n" + training_blocks_markdown(
+                    training_blocks(run_dir, task.kinds, settings.stage1_steps, args.block)))
             return None
         runs.append({**run, "settings": _seed_settings_key(settings, args)})
         atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
@@ -993,7 +1068,10 @@ def run(args) -> dict | None:
 
 
 def main(argv=None) -> int:
-    return 0 if run(build_parser().parse_args(argv)) is not None else 3  # 3: stopped by --max-minutes
+    args = build_parser().parse_args(argv)
+    if args.show_progress:
+        return show_progress(args)
+    return 0 if run(args) is not None else 3  # 3: stopped by --max-minutes
 
 
 if __name__ == "__main__":
