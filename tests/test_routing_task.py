@@ -373,9 +373,28 @@ def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
     with pytest.raises(ValueError, match=r"heldout.*\(64, 10\)"):
         finished_seed(tmp_path, settings, build_parser().parse_args(["--heldout", "10"]))
     assert (tmp_path / "seed_report.json").read_text() == written
+    # a report written before a setting existed is read with that setting at its default
+    older = {k: v for k, v in _seed_settings_key(settings, args).items() if k != "sft_retry_share"}
+    (tmp_path / "seed_report.json").write_text(json.dumps({"seed": 0, "settings": older}))
+    assert finished_seed(tmp_path, settings, args)["seed"] == 0
+    with pytest.raises(ValueError, match=r"sft_retry_share.*\(0.0, 0.5\)"):
+        finished_seed(tmp_path, SeedSettings(sft_retry_share=0.5, overrides=settings.overrides), args)
     (tmp_path / "seed_report.json").write_text("{not json")
     with pytest.raises(ValueError, match="seed_report.json: not a readable seed report"):
         finished_seed(tmp_path, settings, args)
+
+
+def test_seed_progress_reads_an_older_key_with_new_settings_at_their_default(tmp_path):
+    from experiments.studies.routing import SeedProgress, SeedSettings, seed_settings_key
+
+    key = seed_settings_key(SeedSettings(stage1_steps=5), {"heldout": 48})
+    older = {k: v for k, v in key.items() if k != "max_response_tokens"}
+    (tmp_path / "progress.json").write_text(json.dumps({"settings": older, "sft": {"steps": 3}, "evaluations": {},
+                                                         "sampled_evaluations": {}, "results": {}, "seconds": {}}))
+    assert SeedProgress(tmp_path, key).state["sft"] == {"steps": 3}
+    longer = seed_settings_key(SeedSettings(stage1_steps=5, max_response_tokens=144), {"heldout": 48})
+    with pytest.raises(ValueError, match=r"max_response_tokens.*\(96, 144\)"):
+        SeedProgress(tmp_path, longer)
 
 
 def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_path):

@@ -527,6 +527,12 @@ def settings_differences(earlier: dict, now: dict) -> dict:
     return {k: (earlier.get(k), v) for k, v in now.items() if earlier.get(k) != v}
 
 
+def written_settings(earlier: dict) -> dict:
+    """A settings key read back from a file an earlier run wrote, with every setting added to
+    ``SeedSettings`` since then at its default: the value that run used, since it had no other."""
+    return {**seed_settings_key(SeedSettings(), {}), **earlier}
+
+
 class SeedProgress:
     """What a seed has finished, in ``<seed dir>/progress.json`` (rewritten atomically after each
     part), so that a seed split over several sittings redoes nothing: the SFT summary, each
@@ -542,7 +548,7 @@ class SeedProgress:
                 earlier = json.loads(self.path.read_text(encoding="utf-8"))
             except ValueError as e:
                 raise ValueError(f"{self.path}: not readable JSON ({e}); move it away to start the seed again") from e
-            differing = settings_differences(earlier["settings"], key)
+            differing = settings_differences(written_settings(earlier["settings"]), key)
             if differing:
                 raise ValueError(f"{seed_dir} holds a seed started with other settings (key: (earlier, now)): {differing}; "
                                  "give another --out, or move that folder away to start again")
@@ -932,9 +938,7 @@ def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | 
         raise ValueError(f"--sft-from: cannot read the earlier seed's report and SFT summary "
                          f"({report_path}, {summary_path}): {e}") from e
     wanted = {k: getattr(settings, k) for k in SFT_KEYS} | dict(task_key or {})
-    # a setting added after the earlier run was written is read as its default, which that run used
-    earlier = {**vars(SeedSettings()), **earlier}
-    differing = settings_differences(earlier, wanted)
+    differing = settings_differences(written_settings(earlier), wanted)
     if differing:
         raise ValueError(f"--sft-from: {report_path} trained SFT with other settings "
                          f"(key: (earlier, now)): {differing}")
@@ -959,7 +963,7 @@ def finished_seed(seed_dir: Path, settings: SeedSettings, args) -> dict | None:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable seed report ({e}); move it away to run the seed again") from e
-    differing = settings_differences(report.get("settings") or {}, _seed_settings_key(settings, args))
+    differing = settings_differences(written_settings(report.get("settings") or {}), _seed_settings_key(settings, args))
     if differing:
         raise ValueError(f"{path} was written with other settings (key: (earlier, now)): {differing}; "
                          "give another --out, or move that folder away to run the seed again")
