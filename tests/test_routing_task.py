@@ -230,7 +230,7 @@ def _write_run(run_dir, steps, metrics):
 
 
 def test_training_blocks_by_hand(tmp_path):
-    from experiments.studies.routing import training_blocks, training_blocks_markdown
+    from experiments.studies.routing import run_blocks, training_blocks, training_blocks_markdown
 
     kinds = {"g1": "graph_only", "d1": "direct"}
     t = _trajectory
@@ -242,7 +242,7 @@ def test_training_blocks_by_hand(tmp_path):
     metrics = [{"step": s, "em": em, "time/rollout": seconds[s][0], "time/learn": seconds[s][1], "time/sync": seconds[s][2]}
                for s, em in ((1, 0.5), (2, 0.0), (2, 0.25), (3, 0.75), (4, 1.0))]  # step 2 redone after a stop: its last record counts
     _write_run(tmp_path, steps, metrics)
-    rows = training_blocks(tmp_path, kinds, stage1_steps=1, block=2)
+    rows = run_blocks(tmp_path, kinds, stage1_steps=1, block=2)
     assert [(r["steps"], r["stage"]) for r in rows] == [((1, 1), 1), ((2, 3), 2), ((4, 4), 2), ((2, 4), 2)]
     first, block, last, stage2 = rows
     assert first["em"] == 0.5 and first["minutes_per_step"] == pytest.approx(2.0)
@@ -260,11 +260,11 @@ def test_training_blocks_by_hand(tmp_path):
     table = training_blocks_markdown(rows)
     assert "| 2-3 | 2 | 0.500 | 0.750 | 0.250 | +0.500 / -0.400 | +0.050 / +0.200 | 1 of 1 / 0 of 1 | 3.5 |" in table
     # a seed still in stage 1 shows only the steps it trained
-    assert [r["steps"] for r in training_blocks(tmp_path, kinds, stage1_steps=5, block=2)] == [(1, 2), (3, 4)]
+    assert [r["steps"] for r in run_blocks(tmp_path, kinds, stage1_steps=5, block=2)] == [(1, 2), (3, 4)]
     # one stage-2 block needs no row over all of stage 2
-    assert [r["steps"] for r in training_blocks(tmp_path, kinds, stage1_steps=2, block=2)] == [(1, 2), (3, 4)]
+    assert [r["steps"] for r in run_blocks(tmp_path, kinds, stage1_steps=2, block=2)] == [(1, 2), (3, 4)]
     with pytest.raises(ValueError, match="block must be at least 1"):
-        training_blocks(tmp_path, kinds, stage1_steps=1, block=0)
+        training_blocks([], [], stage1_steps=1, block=0)
 
 
 def test_show_progress_reads_without_training(tmp_path, capsys):
@@ -273,6 +273,16 @@ def test_show_progress_reads_without_training(tmp_path, capsys):
     assert main(["--show-progress", "--out", str(tmp_path), "--seeds", "4", "--entities", "240", "--questions", "120"]) == 0
     assert "seed 4: no RL step yet" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # nothing written
+    # a finished seed is read from its report, whose curves and metrics outlive the run folder
+    curves = [{"step": 1, "reward": 1.0, "graph_share/graph_only": 1.0, "graph_share/direct": 0.0,
+               "advantage/graph/graph_only": 0.5, "advantage/passage/graph_only": -0.5,
+               "advantage/passage/direct": 0.25, "advantage/graph/direct": -0.25}]
+    (tmp_path / "seed4").mkdir()
+    (tmp_path / "seed4" / "seed_report.json").write_text(json.dumps(
+        {"seed": 4, "curves": curves, "train_metrics": [{"step": 1, "em": 0.75, "time/rollout": 30.0, "time/learn": 90.0}]}))
+    assert main(["--show-progress", "--out", str(tmp_path), "--seeds", "4", "--entities", "240", "--questions", "120",
+                 "--stage1-steps", "1"]) == 0
+    assert "| 1-1 | 1 | 0.750 | 1.000 | 0.000 | +0.500 / -0.500 | +0.250 / -0.250 | 1 of 1 / 1 of 1 | 2.0 |" in capsys.readouterr().out
 
 
 def _routed_stage(em_graph_only, cost, route_acc, routing_acc=None):

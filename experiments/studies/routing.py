@@ -387,16 +387,21 @@ def route_advantages(seed_runs: list[dict], first_step: int, last_step: int | No
     return out
 
 
-def training_blocks(run_dir: Path, kinds: dict[str, str], stage1_steps: int, block: int = 5) -> list[dict]:
-    """A seed's RL run so far (``<seed>/grpo``), in blocks of ``block`` steps that never straddle
-    the stage boundary, then one row over all of stage 2's steps: per block the mean training EM,
-    each type's graph share and route advantages (both as means over the block's steps, as
-    ``route_advantages`` takes them) and the minutes per step. What a sitting has taught so far,
-    readable while the seed is still training."""
+def run_blocks(run_dir: Path, kinds: dict[str, str], stage1_steps: int, block: int = 5) -> list[dict]:
+    """``training_blocks`` of a seed's RL run so far (``<seed>/grpo``), read while it trains."""
+    return training_blocks(training_curves(run_dir / "trajectories", kinds), read_jsonl(run_dir / "metrics.jsonl"),
+                           stage1_steps, block)
+
+
+def training_blocks(curves: list[dict], metrics: list[dict], stage1_steps: int, block: int = 5) -> list[dict]:
+    """A seed's RL steps (``training_curves`` and the trainer's metrics records) in blocks of
+    ``block`` steps that never straddle the stage boundary, then one row over all of stage 2's
+    steps: per block the mean training EM, each type's graph share and route advantages (both as
+    means over the block's steps, as ``route_advantages`` takes them) and the minutes per step."""
     if block < 1:
         raise ValueError(f"block must be at least 1 step, not {block}")
-    metrics = {row["step"]: row for row in read_jsonl(run_dir / "metrics.jsonl")}  # a redone step: its last record
-    curves = [row for row in training_curves(run_dir / "trajectories", kinds) if row["step"] in metrics]
+    metrics = {row["step"]: row for row in metrics}  # a step redone after a stop: its last record
+    curves = [row for row in curves if row["step"] in metrics]
     if not curves:
         return []
     last = curves[-1]["step"]
@@ -1002,11 +1007,17 @@ def show_progress(args) -> int:
     world = generate_world(args.world_seed, n_entities=args.entities, n_questions=args.questions, task="routing")
     kinds = {q.id: q.kind for q in world.questions}
     for seed in args.seeds:
-        run_dir = Path(args.out) / f"seed{seed}" / "grpo"
-        if not (run_dir / "metrics.jsonl").exists():
-            print(f"seed {seed}: no RL step yet ({run_dir / 'metrics.jsonl'} does not exist)")
+        seed_dir = Path(args.out) / f"seed{seed}"
+        run_dir, report = seed_dir / "grpo", seed_dir / "seed_report.json"
+        if report.exists():  # finished: its report keeps the curves and metrics (the run folder may be gone)
+            finished = json.loads(report.read_text(encoding="utf-8"))
+            rows, source = training_blocks(finished["curves"], finished["train_metrics"], args.stage1_steps, args.block), report
+        elif (run_dir / "metrics.jsonl").exists():
+            rows, source = run_blocks(run_dir, kinds, args.stage1_steps, args.block), run_dir
+        else:
+            print(f"seed {seed}: no RL step yet (neither {report} nor {run_dir / 'metrics.jsonl'} exists)")
             continue
-        print(f"seed {seed} ({run_dir}):\n{training_blocks_markdown(training_blocks(run_dir, kinds, args.stage1_steps, args.block))}")
+        print(f"seed {seed} ({source}):\n{training_blocks_markdown(rows)}")
     return 0
 
 
@@ -1048,7 +1059,7 @@ def run(args) -> dict | None:
             run_dir = out / f"seed{seed}" / "grpo"
             if (run_dir / "metrics.jsonl").exists():
                 _say(f"seed {seed}'s RL so far:\n" + training_blocks_markdown(
-                    training_blocks(run_dir, task.kinds, settings.stage1_steps, args.block)))
+                    run_blocks(run_dir, task.kinds, settings.stage1_steps, args.block)))
             return None
         runs.append({**run, "settings": _seed_settings_key(settings, args)})
         atomic_write_json(out / f"seed{seed}" / "seed_report.json", runs[-1])
