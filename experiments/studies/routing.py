@@ -1004,15 +1004,20 @@ def build_parser() -> argparse.ArgumentParser:
 def show_progress(args) -> int:
     """``--show-progress``: every seed's training blocks so far, read from ``--out`` (nothing is
     trained or written)."""
-    world = generate_world(args.world_seed, n_entities=args.entities, n_questions=args.questions, task="routing")
-    kinds = {q.id: q.kind for q in world.questions}
+    kinds = None  # question types: only a seed still training needs them, read from its trajectories
     for seed in args.seeds:
         seed_dir = Path(args.out) / f"seed{seed}"
         run_dir, report = seed_dir / "grpo", seed_dir / "seed_report.json"
         if report.exists():  # finished: its report keeps the curves and metrics (the run folder may be gone)
-            finished = json.loads(report.read_text(encoding="utf-8"))
+            try:
+                finished = json.loads(report.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise ValueError(f"{report}: not a readable seed report ({e})") from e
             rows, source = training_blocks(finished["curves"], finished["train_metrics"], args.stage1_steps, args.block), report
         elif (run_dir / "metrics.jsonl").exists():
+            if kinds is None:
+                world = generate_world(args.world_seed, n_entities=args.entities, n_questions=args.questions, task="routing")
+                kinds = {q.id: q.kind for q in world.questions}
             rows, source = run_blocks(run_dir, kinds, args.stage1_steps, args.block), run_dir
         else:
             print(f"seed {seed}: no RL step yet (neither {report} nor {run_dir / 'metrics.jsonl'} exists)")
