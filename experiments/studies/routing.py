@@ -957,6 +957,15 @@ def _task_key(args) -> dict:
     return {"world_seed": args.world_seed, "entities": args.entities, "questions": args.questions, "heldout": args.heldout}
 
 
+def read_seed_report(path: Path, advice: str = "") -> dict:
+    """A seed report as written by the study; an unreadable one is an error naming the file (``advice``
+    is appended to the message)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable seed report ({e}){advice}") from e
+
+
 def finished_seed(seed_dir: Path, settings: SeedSettings, args) -> dict | None:
     """The seed report an earlier invocation wrote with the same settings, or None when there is none.
     A report that is unreadable or was written with other settings is an error naming the file (and
@@ -964,10 +973,7 @@ def finished_seed(seed_dir: Path, settings: SeedSettings, args) -> dict | None:
     path = seed_dir / "seed_report.json"
     if not path.exists():
         return None
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable seed report ({e}); move it away to run the seed again") from e
+    report = read_seed_report(path, "; move it away to run the seed again")
     differing = settings_differences(written_settings(report.get("settings") or {}), _seed_settings_key(settings, args))
     if differing:
         raise ValueError(f"{path} was written with other settings (key: (earlier, now)): {differing}; "
@@ -1009,10 +1015,7 @@ def show_progress(args) -> int:
         seed_dir = Path(args.out) / f"seed{seed}"
         run_dir, report = seed_dir / "grpo", seed_dir / "seed_report.json"
         if report.exists():  # finished: its report keeps the curves and metrics (the run folder may be gone)
-            try:
-                finished = json.loads(report.read_text(encoding="utf-8"))
-            except ValueError as e:
-                raise ValueError(f"{report}: not a readable seed report ({e})") from e
+            finished = read_seed_report(report)
             rows, source = training_blocks(finished["curves"], finished["train_metrics"], args.stage1_steps, args.block), report
         elif (run_dir / "metrics.jsonl").exists():
             if kinds is None:
