@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.studies.routing import (add_preference, graph_share, markdown, right_route, rl_effect, route_advantages,
-                                         routing_targets, summarise, targets, training_curves, typed_metrics)
+                                         routing_targets, summarise, targets, training_curves, typed_metrics,
+                                         wall_time_line)
 from experiments.sft import with_search_modes
 from raggym.data.synthetic import RELATIONS, WorldConfig, generate_world
 
@@ -337,6 +338,16 @@ def test_markdown_reports_both_issues_targets_and_the_route_advantages():
     assert "(first search) (sampled): n/a vs >= 0.9 -> NOT met" in text
     assert "| direct | passage | +0.250 | n/a | 0 of 0 |" in text
     assert "| after stage 2 | all | 0.600 [0.600, 0.600] | 0.500 [0.500, 0.500] | – | 0.500 [0.500, 0.500] | 0.500 [0.500, 0.500] |" in text
+
+
+def test_wall_time_line_adds_each_seeds_own_time_to_the_invocations():
+    """A seed trained over several sittings: the last invocation's wall time alone would understate
+    the run, so the line also sums each seed report's recorded seconds (by hand: 3,600 + 1,800 s)."""
+    report = {"seconds": 120.4, "seed_runs": [{"seconds": {"sft": 600.0, "stage1": 1000.0, "stage2": 2000.0}},
+                                              {"seconds": {"sft": 300.0, "stage2": 1500.0}}]}
+    assert wall_time_line(report) == ("Wall time of this invocation: 120 s; the seeds' SFT, RL and evaluations: "
+                                      "5400 s (1.5 h; per seed [3600, 1800])")
+    assert wall_time_line({"seconds": 7.0}) == "Wall time of this invocation: 7 s"
 
 
 def test_graph_preference_effect_entries_by_hand():

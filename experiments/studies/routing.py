@@ -55,6 +55,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -774,8 +775,18 @@ def plot(out: Path, seed_runs: list[dict], stage1_steps: int) -> dict[str, str]:
     return files
 
 
+def wall_time_line(report: dict) -> str:
+    """This invocation's wall time, and, since a seed may span several invocations (sittings), each
+    seed's own time (SFT, stages, evaluations) as recorded in its seed report."""
+    line = f"Wall time of this invocation: {report['seconds']:.0f} s"
+    per_seed = [round(sum(run.get("seconds", {}).values())) for run in report.get("seed_runs", [])]
+    if per_seed:
+        line += f"; the seeds' SFT, RL and evaluations: {sum(per_seed)} s ({sum(per_seed) / 3600:.1f} h; per seed {per_seed})"
+    return line
+
+
 def markdown(report: dict) -> str:
-    lines = [f"# {report['title']}", "", f"Command: `{report['command']}`  ", f"Wall time: {report['seconds']:.0f} s; "
+    lines = [f"# {report['title']}", "", f"Command: `{report['command']}`  ", f"{wall_time_line(report)}; "
              f"seeds {report['seeds']}; machine: {report['machine']}", "", "## Retrieval recall@k on the task (golden sub-queries)", "",
              "| type | questions | passage recall | graph recall | passage cost | graph cost |", "|---|---|---|---|---|---|"]
     if report.get("settings", {}).get("sft_from"):
@@ -1074,7 +1085,7 @@ def run(args) -> dict | None:
     table, sampled_table = summarise(runs), summarise(runs, "sampled_evaluations")
     report = {"title": "RL teaches routing: SmolLM2-135M on the routing task (CPU)",
               "command": "python -m experiments.studies.routing " + " ".join(sys.argv[1:]),
-              "machine": f"{platform.platform()}, {__import__('os').cpu_count()} CPUs",
+              "machine": f"{platform.platform()}, {os.cpu_count()} CPUs",
               "seeds": list(args.seeds), "settings": vars(settings), "recall": recall, "table": table,
               "sampled_table": sampled_table,
               "rl_effect": rl_effect(table, len(runs)) + rl_effect(sampled_table, len(runs), "sampled"),
