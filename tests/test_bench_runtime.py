@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from experiments.bench import runtime as bench
+from experiments.bench._rollout_runs import observation_tokens, plain_spec, rollout_summary
+from raggym.trajectory import Rollout
 
 
 def test_engine_and_dtype_flags_keep_order_drop_repeats_and_reject_unknown_names():
@@ -40,18 +42,20 @@ def test_logprob_drift_counts_only_sampled_tokens_of_every_sequence():
         bench.logprob_drift([[0.0, -1.0]], [[0.0]], [[0, 1]])
 
 
-def _phase(rollout, plain):
+def _phase(rollout, plain, plain_episode_lengths=None):
+    same = plain_episode_lengths or plain
     return {"rollout_tok_s": rollout, "plain_tok_s": plain, "rollout_over_generate": round(rollout / plain, 3),
-            "cpu_time": {"rollout_over_generate": 0.5}}
+            "rollout_over_generate_episode_lengths": round(rollout / same, 3), "cpu_time": {"rollout_over_generate": 0.5}}
 
 
 def test_side_by_side_compares_each_vllm_dtype_with_hf_and_checks_both_targets():
     hf = {"plain_tok_s": 100.0, "rollout_tok_s": 80.0, "cpu_time": {"rollout_over_generate": 0.7}}
-    vllm = {"float32": _phase(180.0, 200.0), "bfloat16": _phase(120.0, 300.0)}
+    vllm = {"float32": _phase(180.0, 200.0, 150.0), "bfloat16": _phase(120.0, 300.0)}
     out = bench.side_by_side(hf, vllm, {"hf": {"total_mib": 1.0}}, {"float32": {"mean": 1e-5}})
     assert out["engines"] == ["hf", "vllm_float32", "vllm_bfloat16"]
     assert out["plain_generate_tok_s"] == {"hf": 100.0, "vllm_float32": 200.0, "vllm_bfloat16": 300.0}
     assert out["rollout_over_generate"] == {"hf": 0.8, "vllm_float32": 0.9, "vllm_bfloat16": 0.4}
+    assert out["rollout_over_generate_episode_lengths"] == {"vllm_float32": 1.2, "vllm_bfloat16": 0.4}
     assert out["rollout_over_generate_cpu_time"] == {"hf": 0.7, "vllm_float32": 0.5, "vllm_bfloat16": 0.5}
     assert out["vllm_over_hf"] == {"plain_generate": {"float32": 2.0, "bfloat16": 3.0},
                                    "rollout": {"float32": 2.25, "bfloat16": 1.5}}
@@ -78,3 +82,15 @@ def test_peak_rss_includes_child_processes():
     assert rss.peak["processes"] >= 1
     assert rss.peak["children_mib"] >= 190
     assert rss.peak["total_mib"] == pytest.approx(rss.peak["main_mib"] + rss.peak["children_mib"], abs=0.2)
+
+
+def test_plain_work_counts_each_episodes_own_length_and_the_observations_it_prefilled():
+    # prompt of 3, then model 2, observation 2, model 1: 3 model tokens, 2 observation tokens
+    first = Rollout(token_ids=list(range(8)), loss_mask=[0, 0, 0, 1, 1, 0, 0, 1], prompt_length=3)
+    second = Rollout(token_ids=list(range(5)), loss_mask=[0, 0, 1, 1, 1], prompt_length=2)  # one turn, no observation
+    assert [observation_tokens(r) for r in (first, second)] == [2, 0]
+    run = rollout_summary([first, second], seconds=2.0, cpu_seconds=1.0, retrieval_seconds=0.0)
+    assert run["observation_tokens"] == 2 and run["episode_tokens"] == [first.response_length, second.response_length]
+    spec = plain_spec({**run, "prompts": [[1, 2, 3], [4, 5]]})
+    assert spec["episode_tokens"] == run["episode_tokens"]
+    assert spec["tokens_per_prompt"] == round(run["model_tokens"] / 2)

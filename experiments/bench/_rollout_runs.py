@@ -86,9 +86,17 @@ class TimedRetrieval:
             self.retrieval_seconds += time.perf_counter() - t
 
 
+def observation_tokens(rollout) -> int:
+    """Tokens after the prompt that the model did not write (observations, the env's turn text):
+    what a multi-turn rollout prefills and a single-turn generate does not."""
+    return sum(1 for trained in rollout.loss_mask[rollout.prompt_length:] if not trained)
+
+
 def rollout_summary(trajs, seconds: float, cpu_seconds: float, retrieval_seconds: float) -> dict:
     tokens = sum(r.response_length for r in trajs)
     return {"episodes": len(trajs), "model_tokens": tokens, "seconds": round(seconds, 3),
+            "observation_tokens": sum(observation_tokens(r) for r in trajs),
+            "episode_tokens": [r.response_length for r in trajs],
             "cpu_seconds": round(cpu_seconds, 3),
             "tok_s": round(tokens / seconds, 2), "retrieval_seconds": round(retrieval_seconds, 3),
             "turns_mean": round(sum(len(r.turns) for r in trajs) / len(trajs), 2),
@@ -111,9 +119,11 @@ async def run_timed_rollout(engine, envs, requests, seed: int, config: RolloutCo
 
 
 def plain_spec(async_run: dict) -> dict:
-    """What plain generate repeats of a rollout: its prompts, each run to the rollout's mean length."""
+    """What plain generate repeats of a rollout: its prompts, each run to the rollout's mean length
+    (``tokens_per_prompt``), or each to its own episode's length (``episode_tokens``)."""
     prompts = async_run["prompts"]
-    return {"prompts": prompts, "tokens_per_prompt": max(1, round(async_run["model_tokens"] / len(prompts)))}
+    return {"prompts": prompts, "tokens_per_prompt": max(1, round(async_run["model_tokens"] / len(prompts))),
+            "episode_tokens": [max(1, n) for n in async_run["episode_tokens"]]}
 
 
 def hf_plain_generate(engine, spec: dict, seed: int) -> dict:
@@ -128,15 +138,18 @@ def hf_plain_generate(engine, spec: dict, seed: int) -> dict:
     return {"tokens": sum(len(r.token_ids) for r in plain), "seconds": seconds, "cpu_seconds": cpu_seconds}
 
 
-async def vllm_plain_generate(engine: AsyncVLLMEngine, spec: dict, seed: int) -> dict:
+async def vllm_plain_generate(engine: AsyncVLLMEngine, spec: dict, seed: int, episode_lengths: bool = False) -> dict:
     """vLLM plain generate of ``spec``: every prompt submitted at once, ``ignore_eos``, prompt i seeded
-    with ``derive_seed(seed, i)`` as ``HFEngine.generate`` does."""
+    with ``derive_seed(seed, i)`` as ``HFEngine.generate`` does. Every prompt makes
+    ``tokens_per_prompt`` tokens, or with ``episode_lengths`` as many as its episode's model wrote,
+    so that the rollout and this run differ only in the turns (not in how their lengths spread)."""
     from vllm import SamplingParams as VLLMSamplingParams  # vLLM on use: optional (the gpu/cpu extra)
     from vllm.inputs import TokensPrompt
 
-    n = spec["tokens_per_prompt"]
+    lengths = spec["episode_tokens"] if episode_lengths else [spec["tokens_per_prompt"]] * len(spec["prompts"])
 
     async def one(i: int, prompt: list[int]) -> int:
+        n = lengths[i]
         params = VLLMSamplingParams(**sampling_kwargs(SamplingParams(temperature=1.0), (), n, derive_seed(seed, i)),
                                     ignore_eos=True)
         final = None

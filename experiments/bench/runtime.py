@@ -272,7 +272,7 @@ async def _bench_vllm_async(world, retriever, *, model: str, dtype: str, questio
         warm, _ = await _run_async_loop(engine, retriever, qs[:1], 1, seed + 999)  # warm-up of both paths
         await vllm_plain_generate(engine, {"prompts": warm["prompts"], "tokens_per_prompt": 8}, seed + 999)
         processes = child_processes()  # the engine's processes, as they run the benchmark
-        runs, plains, trajs = [], [], []
+        runs, plains, same_lengths, trajs = [], [], [], []
         for r in range(repeats):
             (run, rollouts), counted = await counted_on_vllm(engine, _run_async_loop(engine, retriever, qs, group_size, seed + r))
             run.update(counted)
@@ -283,7 +283,12 @@ async def _bench_vllm_async(world, retriever, *, model: str, dtype: str, questio
             run["same_prompts_as_plain"] = run["prompts"] == plain_specs[r]["prompts"]  # same tokenizer, same episodes
             plain, counted = await counted_on_vllm(engine, vllm_plain_generate(engine, plain_specs[r], seed + r))
             plains.append({**plain, "engine_counters": counted["engine_counters"]})
-        return {"start_seconds": round(start_seconds, 2), "runs": runs, "plains": plains, "trajectories": trajs,
+            # the same prompts, each to its own episode's length: what the turns alone cost
+            plain, counted = await counted_on_vllm(engine, vllm_plain_generate(engine, plain_spec(run), seed + r,
+                                                                               episode_lengths=True))
+            same_lengths.append({**plain, "engine_counters": counted["engine_counters"]})
+        return {"start_seconds": round(start_seconds, 2), "runs": runs, "plains": plains,
+                "plains_episode_lengths": same_lengths, "trajectories": trajs,
                 "processes": processes, "info": engine.info()}
     finally:
         engine.shutdown()  # inside the loop: AsyncLLM's sockets close with it
@@ -298,9 +303,10 @@ def bench_vllm(world, retriever, *, model: str = "smollm2-135m", dtype: str = "f
     phase = run_with_vllm(lambda: _bench_vllm_async(world, retriever, model=model, dtype=dtype, questions=questions,
                                                     group_size=group_size, repeats=repeats, seed=seed, plain_specs=specs,
                                                     engine_kwargs=dict(engine_kwargs or {})))
-    runs, plains = phase["runs"], phase["plains"]
+    runs, plains, same_lengths = phase["runs"], phase["plains"], phase["plains_episode_lengths"]
     rollout_tok_s = pooled_tok_s(runs)
     plain_tok_s = pooled_tok_s(plains, tokens_key="tokens")
+    same_lengths_tok_s = pooled_tok_s(same_lengths, tokens_key="tokens")
     hits = sum(r["prefix_cache"].get("hits", 0) for r in runs)
     queries = sum(r["prefix_cache"].get("queries", 0) for r in runs)
     for r in runs:
@@ -309,12 +315,18 @@ def bench_vllm(world, retriever, *, model: str = "smollm2-135m", dtype: str = "f
             "engine_kwargs": engine_kwargs or {}, "info": phase["info"], "start_seconds": phase["start_seconds"],
             "processes": phase["processes"], "runs": runs,
             "plains": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in plains],
+            "plains_episode_lengths": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()}
+                                       for p in same_lengths],
             "rollout_tokens_per_episode": [round(r["model_tokens"] / r["episodes"], 1) for r in runs],
             "plain_tokens_per_prompt": [s["tokens_per_prompt"] for s in specs[:repeats]],
             "rollout_tok_s": round(rollout_tok_s, 2), "plain_tok_s": round(plain_tok_s, 2),
             "rollout_over_generate": round(rollout_tok_s / plain_tok_s, 3),
             "rollout_over_generate_per_repeat": [
                 round((a["model_tokens"] / a["seconds"]) / (x["tokens"] / x["seconds"]), 3) for a, x in zip(runs, plains)],
+            "plain_episode_lengths_tok_s": round(same_lengths_tok_s, 2),
+            "rollout_over_generate_episode_lengths": round(rollout_tok_s / same_lengths_tok_s, 3),
+            # tokens the rollout prefilled that plain generate did not have: observations and turn text
+            "observation_tokens": [r["observation_tokens"] for r in runs],
             # per CPU-second of this process and the engine's (less sensitive to other load than wall time)
             "cpu_time": {"rollout_tok_per_cpu_s": round(pooled_tok_s(runs, seconds_key="cpu_seconds"), 2),
                          "plain_tok_per_cpu_s": round(pooled_tok_s(plains, "tokens", "cpu_seconds"), 2),
@@ -345,6 +357,9 @@ def side_by_side(hf: dict | None, vllm: dict[str, dict], peaks: dict[str, dict],
     rollout = {**({"hf": hf["rollout_tok_s"]} if hf else {}), **{f"vllm_{d}": v["rollout_tok_s"] for d, v in vllm.items()}}
     out = {"engines": names, "plain_generate_tok_s": plain, "rollout_tok_s": rollout,
            "rollout_over_generate": {n: ratio(rollout[n], plain[n]) for n in names},
+           # vLLM's rollout over plain generate with each prompt run to its own episode's length
+           "rollout_over_generate_episode_lengths": {f"vllm_{d}": v["rollout_over_generate_episode_lengths"]
+                                                     for d, v in vllm.items()},
            # the same per CPU-second (HF: this process; vLLM: this process and the engine's)
            "rollout_over_generate_cpu_time": {**({"hf": hf["cpu_time"]["rollout_over_generate"]} if hf else {}),
                                               **{f"vllm_{d}": v["cpu_time"]["rollout_over_generate"] for d, v in vllm.items()}},
