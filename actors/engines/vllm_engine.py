@@ -22,10 +22,11 @@ On CPU (``platform_defaults``): fp32 (the CPU learner's dtype, so engine and lea
 agree), eager mode (15 s to start instead of 104 s, most of it compile warm-up), a KV cache of
 ``kv_cache_gib`` (vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` when the engine core starts) in blocks of
 32 tokens (``CPU_BLOCK_SIZE``), and chunked prefill off. The last one is what makes per-request
-seeds work on CPU: when a prefill is split into chunks, vLLM discards the token sampled at each partial chunk and rewinds that request's
-generator with ``Generator.set_offset``, which CPU generators do not implement ("CPU Generator
-does not use offset", the engine core dies). Whole prefills never rewind, so each request draws
-one sample per step from its own generator and its tokens do not depend on the batch.
+seeds work on CPU: when a prefill is split into chunks, vLLM discards the token sampled at each
+partial chunk and rewinds that request's generator with ``Generator.set_offset``, which CPU
+generators do not implement ("CPU Generator does not use offset", the engine core dies). Whole
+prefills never rewind, so each request draws one sample per step from its own generator and its
+tokens do not depend on the batch.
 
 On a GPU: bf16 and CUDA graphs by default. An fp32 engine (to match an fp32 learner) also sets
 ``TRITON_F32_DEFAULT=ieee`` unless it is set: vLLM's fp32 attention is a Triton kernel, and
