@@ -281,12 +281,13 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     loss = (c["learner"] or {}).get("loss") or {}
     if loss.get("teacher_kl") and method == "r1_router":
         errs.append(("learner.loss.teacher_kl", "the teacher KL reads single-transcript episodes; R1-Router has none"))
-    mode_entropy_coef = float(loss.get("mode_entropy_coef") or 0.0)
-    if mode_entropy_coef < 0:
-        errs.append(("learner.loss.mode_entropy_coef", "must be non-negative (it is a bonus)"))
-    elif mode_entropy_coef > 0 and not mode_slot_of(env_id):
-        errs.append(("learner.loss.mode_entropy_coef", f"{env_id}'s searches name no retrieval mode for the bonus to "
-                                                       "act on (RouteRAG's do)"))
+    for key, what in MODE_CHOICE_COEFFICIENTS.items():  # the terms that act on the mode choices
+        coef = float(loss.get(key) or 0.0)
+        if coef < 0:
+            errs.append((f"learner.loss.{key}", f"must be non-negative (it is {what})"))
+        elif coef > 0 and not mode_slot_of(env_id):
+            errs.append((f"learner.loss.{key}", f"{env_id}'s searches name no retrieval mode for {what} to "
+                                                "act on (RouteRAG's do)"))
     section = reward_section(c["reward"].get("method"))
     for key in required_fields(section) if section else ():
         if c["reward"].get(key) is None:
@@ -307,6 +308,12 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     if ev["every"] < 0 or ev["questions"] < 0:
         errs.append(("eval.every", "eval.every and eval.questions must be non-negative"))
     return errs
+
+
+# learner.loss keys whose terms read the mode-choice tokens (the batch's mode_choice_mask): on (> 0)
+# only for a dialect whose searches name a retrieval mode
+MODE_CHOICE_COEFFICIENTS = {"mode_entropy_coef": "the mode entropy bonus",
+                            "mode_pg_coef": "the mode-choice policy-gradient term"}
 
 
 def mode_slot_of(env_id: str) -> str:

@@ -25,7 +25,7 @@ import envs  # noqa: F401  (registers the env ids)
 from actors.engines.base import SamplingParams
 from actors.storage import RunStorage, check_storage_on_every_node, stage_on_every_node
 from envs.rollout import EpisodeRequest
-from experiments.config import ConfigError, mode_slot_of, to_plain
+from experiments.config import MODE_CHOICE_COEFFICIENTS, ConfigError, mode_slot_of, to_plain
 from experiments.judge import make_judge
 from raggym.atomic import atomic_write
 from raggym.data import load_corpus, load_questions
@@ -115,10 +115,12 @@ def load_run_data(cfg, out_dir, *, multi_kb: bool = False) -> RunData:
 
 
 def mode_choice_slot(cfg) -> str | None:
-    """The dialect's ``mode_slot`` pattern when ``learner.loss.mode_entropy_coef`` is on, else
-    None: when set, the recipe hands the learner the mode-choice tokens each rollout recorded at
-    that slot (``validate_config`` has checked that the env's dialect has one)."""
-    if float(((cfg.learner or {}).get("loss") or {}).get("mode_entropy_coef") or 0.0) <= 0:
+    """The dialect's ``mode_slot`` pattern when a term that reads the mode choices is on
+    (``learner.loss.mode_entropy_coef`` or ``mode_pg_coef``), else None: when set, the recipe hands
+    the learner the mode-choice tokens each rollout recorded at that slot (``validate_config`` has
+    checked that the env's dialect has one)."""
+    loss = (cfg.learner or {}).get("loss") or {}
+    if all(float(loss.get(key) or 0.0) <= 0 for key in MODE_CHOICE_COEFFICIENTS):
         return None
     return mode_slot_of(cfg.env.id)
 

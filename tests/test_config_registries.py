@@ -11,6 +11,7 @@ import gymnasium
 import pytest
 
 from experiments.config import ConfigError, config_from_dict, load_config, to_plain, validate_config
+from experiments.training import mode_choice_slot
 
 TINY = "experiments/configs/search_r1_tiny.yaml"
 
@@ -192,11 +193,15 @@ def test_configs_built_in_python_or_edited_are_checked_like_loaded_ones():
         validate_config({"policy": {"name": "x"}})
 
 
-def test_the_mode_entropy_bonus_needs_searches_that_name_a_mode():
+@pytest.mark.parametrize("key", ["mode_entropy_coef", "mode_pg_coef"])
+def test_the_mode_choice_terms_need_searches_that_name_a_mode(key):
     configs = Path(__file__).resolve().parents[1] / "experiments" / "configs"
-    on = ["learner.loss.mode_entropy_coef=1.0"]
-    assert load_config(str(configs / "routerag_tiny.yaml"), on).learner.loss.mode_entropy_coef == 1.0
-    with pytest.raises(ConfigError, match=r"learner.loss.mode_entropy_coef: raggym/SearchR1-v0's searches name no retrieval mode"):
+    on = [f"learner.loss.{key}=1.0"]
+    cfg = load_config(str(configs / "routerag_tiny.yaml"), on)
+    assert cfg.learner.loss[key] == 1.0
+    # the trainer then hands the learner the mode-choice tokens (the batch's mode_choice_mask)
+    assert mode_choice_slot(cfg) and mode_choice_slot(load_config(str(configs / "routerag_tiny.yaml"))) is None
+    with pytest.raises(ConfigError, match=rf"learner.loss.{key}: raggym/SearchR1-v0's searches name no retrieval mode"):
         load_config(str(configs / "search_r1_tiny.yaml"), on)
-    with pytest.raises(ConfigError, match=r"learner.loss.mode_entropy_coef: must be non-negative"):
-        load_config(str(configs / "routerag_tiny.yaml"), ["learner.loss.mode_entropy_coef=-0.1"])
+    with pytest.raises(ConfigError, match=rf"learner.loss.{key}: must be non-negative"):
+        load_config(str(configs / "routerag_tiny.yaml"), [f"learner.loss.{key}=-0.1"])

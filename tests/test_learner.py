@@ -706,3 +706,42 @@ def test_mode_entropy_bonus_is_the_choices_entropy_over_the_trained_tokens(tiny_
         learner.update(replace(b, mode_choice_mask=None))
     del learner
     gc.collect()
+
+
+def _mode_pg_gains(tiny_model, b, marks, loss: dict) -> tuple[list[float], dict]:
+    """One update of a fresh learner (the same initial weights each time) with ``loss``: the change
+    of log π at each of ``marks``, and the update's metrics."""
+    learner = Learner({**_direction_config(tiny_model, 1e-3), "loss": {"clip_low": 0.2, **loss}})
+    before = learner.compute_logprobs(b.token_ids, b.attention_mask)
+    metrics = learner.update(replace(b))
+    after = learner.compute_logprobs(b.token_ids, b.attention_mask)
+    del learner
+    gc.collect()
+    return [float(after[row, t] - before[row, t]) for row, t in marks], metrics
+
+
+def test_mode_pg_term_moves_the_mode_choices_with_their_advantage(tiny_model, batch):
+    marks = [(0, PROMPT + 2), (1, PROMPT + 5), (2, PROMPT + 2)]  # advantages +1, −1, +0.5; row 3 chose no mode
+    b = replace(batch, mode_choice_mask=torch.zeros_like(batch.loss_mask))
+    for row, t in marks:
+        b.mode_choice_mask[row, t] = 1.0
+    k = 4.0
+    plain, _ = _mode_pg_gains(tiny_model, b, marks, {})
+    with_term, metrics = _mode_pg_gains(tiny_model, b, marks, {"mode_pg_coef": k})
+    # ratio 1: L_mode = −Σ_choices Â / 3 = −(1 − 1 + 0.5) / 3; the loss adds k·L_mode to the PG term
+    assert metrics["mode_pg_term"] == pytest.approx(-0.5 / 3, abs=1e-6)
+    assert metrics["loss"] == pytest.approx(metrics["pg_loss"] + k * (-0.5 / 3), abs=1e-6)
+    assert metrics["mode_pg_clip_fraction"] == 0.0
+    # the choices with a positive advantage (rows 0 and 2) rise more than the PG term alone raises
+    # them, and the one with a negative advantage (row 1) falls more
+    assert with_term[0] > plain[0] and with_term[2] > plain[2], (plain, with_term)
+    assert with_term[1] < plain[1], (plain, with_term)
+    # the same term with its sign negated (named explicitly: a negative coefficient switches nothing on)
+    # pushes the other way, so the comparison above would fail for it
+    negated, _ = _mode_pg_gains(tiny_model, b, marks, {"terms": ["clipped_pg", "mode_pg"], "mode_pg_coef": -k})
+    assert negated[0] < plain[0] and negated[2] < plain[2] and negated[1] > plain[1], (plain, negated)
+    learner = Learner({**_direction_config(tiny_model, 1e-3), "loss": {"clip_low": 0.2, "mode_pg_coef": k}})
+    with pytest.raises(KeyError, match="mode_choice_mask"):  # the term reads the mode mask: a batch without it is refused
+        learner.update(replace(b, mode_choice_mask=None))
+    del learner
+    gc.collect()

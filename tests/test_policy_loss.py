@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.learner import Learner, LearnerConfig, make_train_batch
 from experiments.config import ConfigError, load_config
@@ -26,6 +28,7 @@ from raggym.algorithms.policy_loss import (
     default_terms,
     evidence_poor_trajectories,
     get_policy_loss_term,
+    mode_choice_tokens,
     register_policy_loss_term,
     trained_units,
 )
@@ -124,6 +127,60 @@ def test_mode_entropy_term_by_hand():
     assert summary == {"mode_entropy": 4.5, "mode_choices": 1.0}
 
 
+def _mode_pg_inputs() -> PolicyLossInputs:
+    # trained choices: (0, 1), (0, 3) and (1, 2); (1, 3) is marked but not trained (loss mask 0)
+    mask = torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 0]])
+    return _inputs(log_probs=_log([[1.0, 1.5, 1.0, 0.5], [1.0, 1.0, 1.1, 2.0]]),
+                   old_log_probs=torch.zeros(2, 4, dtype=torch.float64),
+                   advantages=torch.tensor([1.0, -1.0], dtype=torch.float64), mask=mask,
+                   batch=_batch(mask.clone(), mode_choice_mask=torch.tensor([[0.0, 1, 0, 1], [0, 0, 1, 1]])))
+
+
+def test_mode_pg_term_by_hand():
+    out = _term("mode_pg", _mode_pg_inputs(), clip_low=0.2, mode_pg_coef=2.0)
+    # (0, 1): ρ 1.5, Â +1: max(−1.5, −1.2) = −1.2;  (0, 3): ρ 0.5, Â +1: max(−0.5, −0.8) = −0.5;
+    # (1, 2): ρ 1.1, Â −1: max(1.1, 1.1) = 1.1;  L_mode = (−1.2 − 0.5 + 1.1) / 3 choices = −0.2
+    # (the untrained choice (1, 3), ρ 2, would add 2; the unchosen (0, 2) is not a choice); k = 2
+    assert out.stats["mode_pg_term"] == pytest.approx(-0.2)
+    assert out.loss.item() == pytest.approx(-0.4)
+    assert out.stats["mode_pg_clip_fraction"] == pytest.approx(1 / 3)
+    assert float(mode_choice_tokens(_mode_pg_inputs().batch, PolicyLossConfig())) == 3.0  # its normaliser
+    loss_fn = PolicyLoss(PolicyLossConfig(mode_pg_coef=2.0))
+    assert [t.name for t in loss_fn.terms] == ["clipped_pg", "mode_pg"]
+    assert loss_fn.normalizers == [trained_units, mode_choice_tokens] and loss_fn.batch_keys == ("mode_choice_mask",)
+    # the main term's dual clip applies here too: a choice at ρ 5 with Â −1 costs 5, capped at c = 3
+    capped = _inputs(log_probs=_log([[1.0, 5.0]]), old_log_probs=torch.zeros(1, 2, dtype=torch.float64),
+                     advantages=torch.tensor([-1.0], dtype=torch.float64), mask=torch.tensor([[0.0, 1.0]]),
+                     batch=_batch(torch.tensor([[0.0, 1.0]]), mode_choice_mask=torch.tensor([[0.0, 1.0]])))
+    assert _term("mode_pg", capped, mode_pg_coef=1.0).loss.item() == pytest.approx(5.0)
+    assert _term("mode_pg", capped, mode_pg_coef=1.0, dual_clip=True).loss.item() == pytest.approx(3.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]))
+def test_mode_pg_reads_only_the_trained_mode_choices(seed, aggregation):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, 6)
+    mask = (torch.rand(shape, generator=g) < 0.7).double()
+    mask[0, 1] = 1.0  # at least one trained choice
+    choice = (torch.rand(shape, generator=g) < 0.4).double()
+    choice[0, 1] = 1.0
+    fields = dict(log_probs=torch.randn(shape, generator=g, dtype=torch.float64) * 0.3,
+                  old_log_probs=torch.randn(shape, generator=g, dtype=torch.float64) * 0.3,
+                  advantages=torch.randn(shape, generator=g, dtype=torch.float64), mask=mask)
+    config = dict(clip_low=0.2, clip_high=0.28, mode_pg_coef=1.0, aggregation=aggregation)
+    value = _term("mode_pg", _inputs(**fields, batch=_batch(mask, mode_choice_mask=choice)), **config).loss.item()
+    # the same as the token-mean clipped PG over a mask of the trained choices only, whatever the aggregation
+    alone = _inputs(**{**fields, "mask": mask * choice})
+    assert value == pytest.approx(_term("clipped_pg", alone, clip_low=0.2, clip_high=0.28).loss.item(), rel=1e-9)
+    # what the other tokens hold does not matter
+    other = 1 - mask * choice
+    noisy = {**fields, "log_probs": fields["log_probs"] + other * torch.randn(shape, generator=g, dtype=torch.float64),
+             "advantages": fields["advantages"] + other * 5.0}
+    again = _term("mode_pg", _inputs(**noisy, batch=_batch(mask, mode_choice_mask=choice)), **config).loss.item()
+    assert again == pytest.approx(value, rel=1e-9)
+
+
 def _teacher_batch() -> TrainBatch:
     return _batch(
         loss_mask=torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]]),
@@ -161,7 +218,8 @@ def test_the_aggregation_normaliser_by_hand():
 def test_the_config_keys_choose_the_terms_as_before():
     assert default_terms(PolicyLossConfig()) == ("clipped_pg",)
     assert default_terms(PolicyLossConfig(dual_clip=True, kl_coef=0.01, entropy_coef=0.1, mode_entropy_coef=1.0,
-                                          teacher_kl=True)) == ("dual_clip", "kl", "entropy", "mode_entropy", "teacher_kl")
+                                          mode_pg_coef=0.5, teacher_kl=True)) == (
+        "dual_clip", "kl", "entropy", "mode_entropy", "mode_pg", "teacher_kl")
     # every YAML's learner.loss resolves to the terms its coefficients switch on
     configs = Path(__file__).resolve().parents[1] / "experiments" / "configs"
     resolved = {name: LearnerConfig.from_dict({"loss": dict(load_config(str(configs / f"{name}.yaml")).learner.loss)})

@@ -30,6 +30,16 @@ Aggregation over tokens (``aggregation``):
   (Dr.GRPO, Liu et al., 2025, arXiv:2503.20783, divides by the generation budget instead of
   the response length).
 
+Clipped surrogate at the mode choices (``mode_choice_policy_loss``; a trainer option of this
+project, not a paper's, off unless ``learner.loss.mode_pg_coef`` > 0): the same per-token L_t,
+with the same advantages and ratios, averaged over the tokens where the agent chose a search's
+retrieval mode (c_t = 1, ``raggym.algorithms.batch.mode_choice_mask``) and nothing else::
+
+    L_mode = Σ_{i,t} c_{i,t} · m_{i,t} · L_{i,t} / Σ_{i,t} c_{i,t} · m_{i,t}
+
+Added to the loss as k · L_mode, it gives the mode choice the weight k on its own, however many
+other tokens the episode trained (in the token-mean PG term a choice is one token of ~70).
+
 KL to the frozen reference: ``kl_loss`` adds β·KL to the loss (GRPO); ``kl_penalized_rewards``
 subtracts β·Σ_t KL_t from each sequence reward instead (PPO-style reward penalty). Estimators are
 in ``raggym.algorithms.kl``.
@@ -180,6 +190,32 @@ def clipped_policy_loss(
         if dual_clip:
             stats["clip_fraction_lower"] = masked_mean(capped.to(log_probs.dtype), mask)
     return loss, stats
+
+
+def mode_choice_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    mode_choice_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: bool = False,
+    clip_ratio_c: float = DUAL_CLIP_RATIO_C,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate of ``clipped_policy_loss`` averaged over the trained mode-choice
+    tokens only: L_mode = Σ c·m·L / Σ c·m (module docstring); 0 when no trained token chose a mode.
+
+    ``mode_choice_mask`` is ``[batch, seq]``, 1 where a search's retrieval mode was chosen. The
+    normaliser is the number of trained mode choices whatever the main loss's aggregation, so
+    multiplying by k weighs the mean mode choice k times. Returns ``(L_mode, stats)`` with the
+    clipped surrogate's stats taken over the choices.
+    """
+    _check_token_shapes(log_probs, mode_choice_mask)
+    choices = mode_choice_mask.to(log_probs.dtype) * mask.to(log_probs.dtype)  # c·m
+    return clipped_policy_loss(log_probs, old_log_probs, advantages, choices, clip_low=clip_low, clip_high=clip_high,
+                               aggregation="token-mean", dual_clip=dual_clip,
+                               clip_ratio_c=clip_ratio_c)  # Σ c·m·L / Σ c·m
 
 
 def kl_loss(

@@ -11,6 +11,8 @@ did (``default_terms``)::
     kl             + β·KL(π_θ ‖ π_ref) (losses.kl_loss)                            kl_coef > 0
     entropy        − c_H·H, the entropy of the trained tokens                      entropy_coef > 0
     mode_entropy   − c_M·H_mode, the entropy where a search's mode was chosen      mode_entropy_coef > 0
+    mode_pg        + k·L_mode, the clipped surrogate over the mode choices alone   mode_pg_coef > 0
+                   (a mean over the trained mode-choice tokens, ``mode_choice_tokens``)
     teacher_kl     PathRouter's selective top-K teacher KL                         teacher_kl: true
 
 A term is ``fn(inputs: PolicyLossInputs, config: PolicyLossConfig, **options) -> LossTerm``: a
@@ -52,6 +54,7 @@ from raggym.algorithms.losses import (
     aggregate_loss,
     clipped_policy_loss,
     kl_loss,
+    mode_choice_policy_loss,
     selective_teacher_kl_loss,
     teacher_kl_weight,
 )
@@ -78,6 +81,9 @@ class PolicyLossConfig:
     # (the batch's ``mode_choice_mask``), aggregated like the PG term (a mode token weighs what
     # any trained token does), so exploration of the route is kept without flattening the rest
     mode_entropy_coef: float = 0.0
+    # k: an extra clipped PG term over the mode-choice tokens alone (losses.mode_choice_policy_loss),
+    # a mean over those tokens: the route gets weight k of its own instead of 1 token's share of ~70
+    mode_pg_coef: float = 0.0
     teacher_kl: bool = False  # PathRouter selective teacher KL
     teacher_top_k: int = 128
     evidence_threshold: float = 0.1  # θ_P
@@ -160,6 +166,13 @@ def trained_units(batch: TrainBatch, config: PolicyLossConfig) -> torch.Tensor:
     return (mask.sum(-1) > 0).float().sum()
 
 
+def mode_choice_tokens(batch: TrainBatch, config: PolicyLossConfig) -> torch.Tensor:
+    """Σ c·m: the trained tokens where a search's retrieval mode was chosen (the ``mode_pg`` term's units)."""
+    trained = batch.loss_mask.float().clone()
+    trained[:, 0] = 0  # nothing predicts the first token
+    return (batch.mode_choice_mask.float() * trained.gt(0).float()).sum()
+
+
 def evidence_poor_trajectories(batch: TrainBatch, config: PolicyLossConfig) -> torch.Tensor:
     """|I_low|: the trajectories PathRouter's teacher KL averages over (EO < θ_P, a covered token)."""
     return teacher_kl_eligible(batch, config.evidence_threshold).sum()
@@ -233,6 +246,7 @@ def default_terms(config: PolicyLossConfig) -> tuple[str, ...]:
     named += ["kl"] if config.kl_coef > 0 else []
     named += ["entropy"] if config.entropy_coef > 0 else []
     named += ["mode_entropy"] if config.mode_entropy_coef > 0 else []
+    named += ["mode_pg"] if config.mode_pg_coef > 0 else []
     named += ["teacher_kl"] if config.teacher_kl else []
     return tuple(named)
 
@@ -373,6 +387,27 @@ def mode_entropy_bonus(inputs: PolicyLossInputs, config: PolicyLossConfig) -> Lo
                     {"mode_entropy_sum": float((inputs.entropy.detach() * choice).sum()), "mode_choices": float(choice.sum())})
 
 
+@register_policy_loss_term("mode_pg", batch_keys=("mode_choice_mask",), normalizer=mode_choice_tokens)
+def mode_choice_pg(inputs: PolicyLossInputs, config: PolicyLossConfig) -> LossTerm:
+    """k·L_mode: the main loss's clipped surrogate (same advantages, ratios, clip bounds and dual
+    clip) over the trained mode-choice tokens only (``losses.mode_choice_policy_loss``)::
+
+        L_mode = Σ_{i,t} c_{i,t}·m_{i,t}·L_{i,t} / Σ_{i,t} c_{i,t}·m_{i,t},   k = ``mode_pg_coef``
+
+    Its normaliser is ``mode_choice_tokens``, so the learner makes it the mean over the whole
+    mini-batch's mode choices, whichever micro-batch holds them. Logged: ``mode_pg_term`` (L_mode,
+    unweighted) and ``mode_pg_clip_fraction``.
+    """
+    dual = config.dual_clip or "dual_clip" in config.term_names()  # the main term's clipping, whichever names it
+    value, stats = mode_choice_policy_loss(
+        inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask,
+        inputs.batch.mode_choice_mask.to(inputs.mask.device, inputs.log_probs.dtype), clip_low=config.clip_low,
+        clip_high=config.clip_high, dual_clip=dual, clip_ratio_c=config.clip_ratio_c,
+    )
+    return LossTerm(config.mode_pg_coef * value,  # + k·L_mode
+                    {"mode_pg_term": value.item(), "mode_pg_clip_fraction": float(stats["clip_fraction"])})
+
+
 def _teacher_kl_summary(totals: Mapping[str, float], epochs: int) -> dict[str, float]:
     n = totals.get("teacher_kl_trajectories", 0.0)
     return {"teacher_kl": totals.get("teacher_kl_sum", 0.0) / n if n else 0.0,  # mean KL_i over I_low
@@ -416,6 +451,8 @@ __all__ = [
     "evidence_poor_trajectories",
     "get_policy_loss_term",
     "kl_to_reference",
+    "mode_choice_pg",
+    "mode_choice_tokens",
     "mode_entropy_bonus",
     "pathrouter_teacher_kl",
     "register_policy_loss_term",
