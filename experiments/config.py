@@ -52,6 +52,7 @@ from experiments.config_schema import open_sections
 from raggym.algorithms.policy_loss import PolicyLossConfig
 from raggym.config_nodes import ConfigError, to_plain  # noqa: F401  (part of this module's API)
 from raggym.config_util import dataclass_from_mapping, describe_type, required_fields
+from raggym.data.sampler import BALANCE_ATTRIBUTES
 from raggym.data.synthetic import WorldConfig
 from raggym.models import LoraSettings
 from raggym.protocol import get_dialect
@@ -118,6 +119,9 @@ class DataConfig:
     index_dir: Optional[str] = None
     table_corpus: Optional[str] = None
     table_index_dir: Optional[str] = None
+    # a question attribute (raggym.data.sampler.BALANCE_ATTRIBUTES, e.g. kind) whose values get equal
+    # shares of every prompt batch; None: batches drawn from shuffled passes over all questions
+    balance_by: Optional[str] = None
 
 
 @dataclass
@@ -281,6 +285,10 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     loss = (c["learner"] or {}).get("loss") or {}
     if loss.get("teacher_kl") and method == "r1_router":
         errs.append(("learner.loss.teacher_kl", "the teacher KL reads single-transcript episodes; R1-Router has none"))
+    balance_by = (c.get("data") or {}).get("balance_by")
+    if balance_by is not None and balance_by not in BALANCE_ATTRIBUTES:
+        errs.append(("data.balance_by", f"unknown question attribute {balance_by!r}; batches can be balanced by "
+                                        f"one of {', '.join(BALANCE_ATTRIBUTES)} (or null: off)"))
     for key, what in MODE_CHOICE_COEFFICIENTS.items():  # the terms that act on the mode choices
         coef = float(loss.get(key) or 0.0)
         if coef < 0:

@@ -44,7 +44,7 @@ from experiments.training import (RunData, episode_requests, golden_steps_for, l
 from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
 from raggym.algorithms.batch import assemble_batch, mode_choice_fields, teacher_fields
 from raggym.config_nodes import EPISODE_LIMITS, check_runtime_serves
-from raggym.data.sampler import PromptSampler
+from raggym.data.sampler import make_prompt_sampler
 from raggym.learning_log import MetricsLogger
 from raggym.models import load_policy_tokenizer
 from raggym.retrieval import Retriever
@@ -146,7 +146,7 @@ def train(cfg, runtime=None, stop_at: float | None = None) -> dict:
     if cfg.reward.method == "pathrouter":  # the routes use the reward's own C and P thresholds
         adv.update({k: cfg.reward[k] for k in ("correct_f1_threshold", "evidence_threshold") if k in cfg.reward})
     teacher_kl = teacher_evidence_tokens(cfg) is not None  # the rollouts then record the teacher's prompt
-    mode_slot = mode_choice_slot(cfg)  # the mode entropy bonus is on (the rollouts record the mode choices)
+    mode_slot = mode_choice_slot(cfg)  # a mode-choice loss term is on (the rollouts record the mode choices)
     eval_every, eval_kwargs = int(cfg.eval.every), {**to_plain(cfg.env.kwargs), **to_plain(cfg.eval.env_kwargs)}
 
     data = load_run_data(cfg, storage, multi_kb=takes_knowledge_bases(cfg.env.id))
@@ -160,7 +160,7 @@ def train(cfg, runtime=None, stop_at: float | None = None) -> dict:
         cfg.policy.model = str(sft["policy_dir"])  # RL starts from the SFT policy
     golden_steps = golden_steps_for(cfg, data.questions)  # Step-GRPO: teacher-forced step groups
     mini_batch = LearnerConfig.from_dict(learner_config(cfg)).mini_batch_size
-    sampler = PromptSampler(len(data.questions), int(cfg.run.seed))
+    sampler = make_prompt_sampler(data.questions, int(cfg.run.seed), cfg.data.balance_by)  # data.balance_by: equal shares
     rt = runtime if runtime is not None else make_runtime(cfg, data.index_dirs, data.corpus)
     logger = MetricsLogger(out_dir)
     start_step, last = 0, {}
