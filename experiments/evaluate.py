@@ -46,7 +46,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -200,6 +200,56 @@ def average_over_datasets(by_dataset: dict[str, dict[str, dict]]) -> dict[str, d
         avg["mode_mix"] = {**{m: (c / searches if searches else 0.0) for m, c in counts.items()}, "searches": searches}
         out[system] = avg
     return out
+
+
+# ----------------------------------------------------------------------------- routing measures
+# Pure functions for a router's evaluation (issue #64): what its retrieval costs against the best
+# and the worst fixed routers, and headline figures read from several snapshots.
+
+
+def router_cost(mode_costs: Mapping[str, Mapping[str, float]], route: Mapping[str, str] | str) -> float:
+    """Mean retrieval cost per question of a router that gives each question ``q`` one search in the
+    mode ``route[q]`` (or every question the mode ``route`` names): mean_q ``mode_costs[q][route_q]``,
+    ``mode_costs[q]`` being one search's cost in each mode."""
+    if not mode_costs:
+        raise ValueError("no questions to cost")
+    return sum(float(costs[route if isinstance(route, str) else route[q]]) for q, costs in mode_costs.items()) / len(mode_costs)
+
+
+def cost_regret(cost: float, perfect: float, always_graph: float) -> float | None:
+    """(cost − perfect) / (always_graph − perfect): 0 at the cost of the perfect router (each
+    question to its right mode), 1 at the cost of sending every question to the graph, below 0 for
+    a router cheaper than the perfect one (it saves by sending questions the wrong way), above 1 for
+    one dearer than always-graph (more searches than one). None when always-graph costs no more than
+    the perfect router (no question to route elsewhere)."""
+    span = always_graph - perfect
+    return (cost - perfect) / span if span > 0 else None  # (cost − perfect) / (always_graph − perfect)
+
+
+def last_snapshots(snapshots: Iterable[tuple[int, float | None]], count: int = 3) -> dict:
+    """A headline figure from a run's last ``count`` snapshots, ``(step, value)`` in any order:
+    ``{"mean", "snapshots": [{"step", "value"}, ...]}`` with the snapshots the mean reads, oldest
+    first (fewer when the run has fewer). One snapshot swings (routing accuracy moved 0.56–0.97
+    between neighbouring snapshots in issue #42's run); the mean of several, each shown, does less.
+    ``mean`` is None when a snapshot the mean needs has no value."""
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    last = sorted(snapshots, key=lambda s: s[0])[-count:]
+    if not last:
+        raise ValueError("no snapshots")
+    values = [v for _, v in last]
+    mean = None if None in values else sum(values) / len(values)
+    return {"mean": mean, "snapshots": [{"step": int(step), "value": value} for step, value in last]}
+
+
+def last_snapshots_text(summary: dict, spec: str = ".3f") -> str:
+    """``last_snapshots``' figure as text: ``0.810 (steps 8 / 10 / 12: 0.790 / 0.830 / 0.810)``."""
+    def number(v):
+        return "n/a" if v is None else format(v, spec)
+
+    shown = summary["snapshots"]
+    return (f"{number(summary['mean'])} (steps {' / '.join(str(s['step']) for s in shown)}: "
+            f"{' / '.join(number(s['value']) for s in shown)})")
 
 
 # ----------------------------------------------------------------------------- report

@@ -192,7 +192,11 @@ def test_probe_preference_and_routing_accuracy_by_hand():
     assert evaluation["all"]["graph_preference"] == pytest.approx(0.5)
     # right: 0.8 (graph_only, > 0.5) and 0.3 (direct, < 0.5); a tie at 0.5 prefers neither route
     assert evaluation["all"]["routing_accuracy"] == 0.5
-    assert "routing_accuracy" not in evaluation["graph_only"]
+    # and per type: graph_only 0.8 right, 0.4 wrong; direct 0.3 right, 0.5 a tie (wrong)
+    assert evaluation["graph_only"]["routing_accuracy"] == 0.5 and evaluation["direct"]["routing_accuracy"] == 0.5
+    other = {"graph_only": {}, "direct": {}, "all": {}}
+    add_preference(other, {"graph_only": [0.8, 0.6, 0.1], "direct": [0.9]})
+    assert other["graph_only"]["routing_accuracy"] == pytest.approx(2 / 3) and other["direct"]["routing_accuracy"] == 0.0
 
 
 def _trajectory(qid, modes, advantage, reward=1.0):

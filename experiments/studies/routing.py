@@ -60,17 +60,18 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.cluster import init_ray
-from experiments.evaluate import evaluate, resolve_policy
+from experiments.evaluate import cost_regret, evaluate, resolve_policy, router_cost
 from experiments.report import read_jsonl
 from experiments.sft import LR_SCHEDULES, balanced_order, golden_examples, grouped_order, run_sft
 from raggym.atomic import atomic_write_json, atomic_write_text
 from raggym.data import write_corpus, write_questions
-from raggym.data.splits import hold_out
+from raggym.data.splits import hold_out, hold_out_balanced
 from raggym.data.synthetic import generate_world
 from raggym.models import load_policy, load_policy_tokenizer
 from raggym.retrieval import Retriever, ensure_index
@@ -128,10 +129,16 @@ def repeated_questions(questions, samples: int) -> list:
     return [dataclasses.replace(q, id=f"{q.id}~{j}") for q in questions for j in range(samples)]
 
 
-def build_task(out: Path, *, seed: int, entities: int, questions: int, heldout: int, show_progress: bool = True) -> RoutingTask:
-    """Generate the routing world (``seed``), split it, write its files and build its index."""
+def build_task(out: Path, *, seed: int, entities: int, questions: int, heldout: int, show_progress: bool = True,
+               heldout_per_type: int = 0) -> RoutingTask:
+    """Generate the routing world (``seed``), split it, write its files and build its index.
+    ``heldout_per_type`` > 0 holds out that many questions of each type instead of ``heldout``
+    questions of any type (a held-out mean then weighs both types alike)."""
     world = generate_world(seed, n_entities=entities, n_questions=questions, task="routing")
-    train_q, heldout_q = hold_out(world.questions, heldout, seed)  # as `raggym synth --task routing --heldout` writes it
+    if heldout_per_type > 0:
+        train_q, heldout_q = hold_out_balanced(world.questions, heldout_per_type, seed, "kind")
+    else:
+        train_q, heldout_q = hold_out(world.questions, heldout, seed)  # as `raggym synth --task routing --heldout` writes it
     wdir = out / "world"
     wdir.mkdir(parents=True, exist_ok=True)
     write_corpus(wdir / "corpus.jsonl", world.corpus)
@@ -160,6 +167,37 @@ def recall_by_mode(retriever, questions, k: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- measuring
+
+
+def search_costs(retriever, questions, k: int) -> dict[str, dict[str, float]]:
+    """``{question id: {"passage": cost, "graph": cost}}``: the deterministic cost of one search
+    with the question's golden sub-query in each mode. Fixed by the world and the index, not by a
+    policy, so the reference routers below cost the same at every stage."""
+    queries = [q.golden_trajectory[0]["query"] for q in questions]
+    by_mode = {mode: retriever.retrieve(queries, mode=mode, k=k) for mode in ("passage", "graph")}
+    return {q.id: {mode: float(results[i].cost) for mode, results in by_mode.items()} for i, q in enumerate(questions)}
+
+
+def reference_router_costs(costs: dict[str, dict[str, float]], kinds: dict[str, str]) -> dict[str, float]:
+    """Cost per question of the fixed routers ``cost_regret`` is measured against, one search per
+    question (``search_costs``): ``perfect`` sends each question to its type's right route
+    (``RIGHT_ROUTE``), ``always_graph`` every question to the graph (where RouteRAG's stage 1
+    converges), ``always_passage`` every question to passage search."""
+    return {"perfect": router_cost(costs, {q: RIGHT_ROUTE[kinds[q]] for q in costs}),
+            "always_graph": router_cost(costs, "graph"), "always_passage": router_cost(costs, "passage")}
+
+
+def regret_by_stage(table: dict, reference: dict[str, float]) -> dict:
+    """``cost_regret`` of each stage's mean cost per question over seeds (``summarise``'s table),
+    and of each seed's, against ``reference_router_costs``."""
+    out = {}
+    for stage, kinds in table.items():
+        cost = kinds["all"]["cost_per_question"]
+        out[stage] = {"mean": None if cost["mean"] is None else
+                      cost_regret(cost["mean"], reference["perfect"], reference["always_graph"]),
+                      "per_seed": [None if c is None else cost_regret(c, reference["perfect"], reference["always_graph"])
+                                   for c in cost["per_seed"]]}
+    return out
 
 
 def graph_share(modes) -> float | None:
@@ -323,9 +361,12 @@ def routing_accuracy(p_graph: dict[str, list[float]]) -> float:
 
 def add_preference(evaluation: dict, p_graph: dict[str, list[float]]) -> dict:
     """``evaluation`` (``typed_metrics``) with the probes' mean p(graph) per type and over all
-    probes (``graph_preference``), and their ``routing_accuracy`` under ``all``."""
+    probes (``graph_preference``), and their ``routing_accuracy`` per type with a right route and
+    under ``all``."""
     for kind, values in p_graph.items():
         evaluation[kind]["graph_preference"] = statistics.fmean(values)
+        if kind in RIGHT_ROUTE:
+            evaluation[kind]["routing_accuracy"] = routing_accuracy({kind: values})
     evaluation["all"]["graph_preference"] = statistics.fmean(x for v in p_graph.values() for x in v)
     evaluation["all"]["routing_accuracy"] = routing_accuracy(p_graph)
     return evaluation
@@ -499,6 +540,9 @@ class SeedSettings:
     # seed's time, and RL variants compared from one SFT policy differ only in their RL)
     sft_from: str = ""
     overrides: tuple = ()  # extra key=value for the RL config
+    # extra key=value for stage 2 only (issue #64's trainer options for stage 2, e.g.
+    # learner.loss.mode_entropy_coef=0.1); they apply from stage 2's first step, stage 1 trains without them
+    stage2_overrides: tuple = ()
 
 
 def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, seed: int, out_dir: Path,
@@ -633,7 +677,6 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
         finished(f"eval_{folder}", time.perf_counter() - t)
 
     run_dir = out / "grpo"
-    total = s.stage1_steps + s.stage2_steps
     base = [f"run.out_dir={run_dir}", f"run.seed={seed}", f"policy.model={sft['policy_dir']}",
             f"data.corpus={task.world_dir / 'corpus.jsonl'}", f"data.questions={task.world_dir / 'train_questions.jsonl'}",
             f"data.openie={task.world_dir / 'openie.json'}", f"data.index_dir={task.index_dir}",
@@ -643,12 +686,10 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     if s.lr is not None:
         base.append(f"learner.optimizer.lr={s.lr}")
     base += list(s.overrides)
-    # Stage 2 resumes stage 1's run (learner, optimizer and sampler state) and goes on to ``total``
-    # steps; its reward switches at ``stage2_start``.
-    stages = {stage: load_config(str(RL_CONFIG), [*base, f"run.steps={steps}", "run.resume=true"])
-              for stage, steps in (("stage 1", s.stage1_steps), ("stage 2", total))}
+    stages = stage_configs(base, s)
     # One runtime (rollout engine, learner group, retrieval) for every stage and evaluation: a
-    # vLLM engine start costs 20-40 s here, and the engine holds the latest weights already.
+    # vLLM engine start costs 20-40 s here, and the engine holds the latest weights already. A
+    # stage 2 whose overrides change what the runtime was built from gets a runtime of its own.
     unless_time_is_up("the evaluations and RL")
     t0 = time.perf_counter()
     runtime = open_runtime(stages["stage 1"])
@@ -663,6 +704,9 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
             # an earlier sitting is only restored, so that the engines hold its weights to evaluate.
             unless_time_is_up(stage)
             t0 = time.perf_counter()
+            if runtime_differs(runtime.cfg, cfg):  # e.g. stage 2's own learner.loss: the learners are built with it
+                runtime.shutdown()
+                runtime = open_runtime(cfg)  # train() restores the checkpoint into it and syncs the engines
             last = train(cfg, runtime=runtime, stop_at=stop_at)
             timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 1)  # over the sittings
             finished(stage)
@@ -678,6 +722,30 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
             "sft": {**{k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
                     **({"policy_dir": sft["policy_dir"]} if s.sft_from else {})},
             "seconds": timings}
+
+
+def stage_configs(base: list[str], s: SeedSettings) -> dict:
+    """Each RL stage's config: routing_grpo.yaml with the seed's ``base`` overrides; stage 2 adds
+    ``s.stage2_overrides`` (its own trainer options, e.g. a lower ``learner.loss.mode_entropy_coef``).
+    Stage 2 resumes stage 1's run (learner, optimizer and sampler state) and goes on to
+    ``stage1_steps + stage2_steps`` steps; its reward switches at ``reward.stage2_start``."""
+    from experiments.config import load_config  # torch: on use (see the imports)
+
+    total = s.stage1_steps + s.stage2_steps
+    return {"stage 1": load_config(str(RL_CONFIG), [*base, f"run.steps={s.stage1_steps}", "run.resume=true"]),
+            "stage 2": load_config(str(RL_CONFIG), [*base, *s.stage2_overrides, f"run.steps={total}", "run.resume=true"])}
+
+
+# What a runtime's actors are built from: a stage that asks for other values needs its own runtime
+# (a shared one would train with the learners' and engines' first settings).
+RUNTIME_SECTIONS = ("policy", "rollout", "learner", "num_learners", "retrieval", "runtime")
+
+
+def runtime_differs(runtime_cfg, cfg) -> list[str]:
+    """The ``RUNTIME_SECTIONS`` in which ``cfg`` differs from the config a runtime was built from."""
+    from omegaconf import OmegaConf  # with the configs (see the imports)
+
+    return [key for key in RUNTIME_SECTIONS if OmegaConf.select(runtime_cfg, key) != OmegaConf.select(cfg, key)]
 
 
 # ----------------------------------------------------------------------------- report
@@ -814,6 +882,16 @@ def markdown(report: dict) -> str:
                                       for metric in ("graph_preference", "route_accuracy", "routing_accuracy"))
                 lines.append(f"| {stage} | {kind} | {cell(m['em'])} | {cell(m['graph_share'])} | {optional} | "
                              f"{m['searches_per_question']['mean']:.2f} | {m['cost_per_question']['mean']:.0f} |")
+    regret = (report.get("cost_regret") or {}).get("greedy")
+    if regret:
+        ref = report["reference_router_costs"]
+        lines += ["", "## Cost regret against the perfect router (greedy)", "",
+                  f"(cost − perfect) / (always-graph − perfect), one search per question with its golden sub-query: "
+                  f"perfect {ref['perfect']:.0f}, always-graph {ref['always_graph']:.0f}, "
+                  f"always-passage {ref['always_passage']:.0f} per question. 0 is the perfect router, 1 always-graph.", "",
+                  "| stage | regret, mean over seeds | per seed |", "|---|---|---|"]
+        for stage, r in regret.items():
+            lines.append(f"| {stage} | {_number(r['mean'])} | {' / '.join(_number(v) for v in r['per_seed'])} |")
     lines += ["", "## RL effect", ""]
     for e in report["rl_effect"]:
         lines.append(f"- {e['question_type']} {e['metric']} ({e['decoding']}): after SFT {e['after_sft']:.3f} -> after RL ({e['rl_stage']}) "
@@ -965,7 +1043,10 @@ def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | 
 
 
 def _task_key(args) -> dict:
-    return {"world_seed": args.world_seed, "entities": args.entities, "questions": args.questions, "heldout": args.heldout}
+    key = {"world_seed": args.world_seed, "entities": args.entities, "questions": args.questions, "heldout": args.heldout}
+    if getattr(args, "heldout_per_type", 0):  # only when on, so that seeds run before it existed keep their key
+        key["heldout_per_type"] = args.heldout_per_type
+    return key
 
 
 def read_seed_report(path: Path, advice: str = "") -> dict:
@@ -1001,12 +1082,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=400)
     p.add_argument("--heldout", type=int, default=64, help="held-out questions evaluated at every stage")
     for name, default in vars(SeedSettings()).items():
-        if name in ("overrides", "lr", "policy"):
+        if name in ("overrides", "stage2_overrides", "lr", "policy"):
             continue
         choices = {"sft_lr_schedule": LR_SCHEDULES, "sft_order": tuple(SFT_ORDERS),
                    "sft_mode_sampling": SFT_MODE_SAMPLING}.get(name)
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, choices=choices)
     p.add_argument("--lr", type=float, default=None, help="RL learning rate (default: routing_grpo.yaml)")
+    p.add_argument("--stage2-override", dest="stage2_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a key=value of routing_grpo.yaml for stage 2 only (repeat it for more), e.g. "
+                        "learner.loss.mode_entropy_coef=0.1")
+    p.add_argument("--heldout-per-type", type=int, default=0,
+                   help="hold out this many questions of each type (48: 48 direct + 48 graph_only), fixed before "
+                        "training, instead of --heldout questions drawn regardless of type")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop after this many minutes, at the next RL step or part of a seed, with every finished "
                         "part saved (exit status 3); the same command goes on from there")
@@ -1050,12 +1137,21 @@ def run(args) -> dict | None:
     stop_at = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    task = build_task(out, seed=args.world_seed, entities=args.entities, questions=args.questions, heldout=args.heldout)
-    recall = recall_by_mode(Retriever.load(task.index_dir), task.heldout, EVAL_KWARGS["top_k"])
+    task = build_task(out, seed=args.world_seed, entities=args.entities, questions=args.questions, heldout=args.heldout,
+                      heldout_per_type=args.heldout_per_type)
+    retriever = Retriever.load(task.index_dir)
+    recall = recall_by_mode(retriever, task.heldout, EVAL_KWARGS["top_k"])
+    costs = reference_router_costs(search_costs(retriever, task.heldout, EVAL_KWARGS["top_k"]), task.kinds)
+    _say(f"held-out: {dict(Counter(task.kinds[q.id] for q in task.heldout))}; one search per question costs "
+         f"{costs['perfect']:.0f} routed perfectly, {costs['always_graph']:.0f} all to the graph")
     _say(f"task: {len(task.train)} training, {len(task.heldout)} held-out questions; recall@{EVAL_KWARGS['top_k']} {json.dumps(recall)}")
     init_ray(num_cpus=8)
-    settings = SeedSettings(**{k: getattr(args, k) for k in vars(SeedSettings()) if k not in ("overrides", "policy")},
-                            overrides=tuple(args.overrides))
+    settings = SeedSettings(**{k: getattr(args, k) for k in vars(SeedSettings())
+                               if k not in ("overrides", "stage2_overrides", "policy")},
+                            overrides=tuple(args.overrides), stage2_overrides=tuple(args.stage2_overrides))
+    from experiments.config import load_config  # torch: on use (see the imports)
+
+    load_config(str(RL_CONFIG), [*settings.overrides, *settings.stage2_overrides])  # a bad key fails now, not in stage 2
     sft_modes(settings.sft_modes)  # a bad spec fails here, not after the first seed's task is built
     if settings.sft_order not in SFT_ORDERS or settings.sft_mode_sampling not in SFT_MODE_SAMPLING:
         raise ValueError(f"sft_order must be one of {tuple(SFT_ORDERS)} and sft_mode_sampling one of {SFT_MODE_SAMPLING}")
@@ -1092,6 +1188,8 @@ def run(args) -> dict | None:
               "targets": targets(table) + (targets(sampled_table, "sampled") if sampled_table else []),
               "routing_targets": routing_targets(table) + (routing_targets(sampled_table, "sampled") if sampled_table else []),
               "route_advantages": route_advantages(runs, settings.stage1_steps + 1),
+              "reference_router_costs": costs,
+              "cost_regret": {"greedy": regret_by_stage(table, costs), "sampled": regret_by_stage(sampled_table, costs)},
               "seed_runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
               "seconds": round(time.perf_counter() - started, 1)}
     report["plots"] = plot(out, runs, settings.stage1_steps)

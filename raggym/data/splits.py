@@ -51,4 +51,24 @@ def hold_out(questions: Sequence[T], count: int, seed: int = 0) -> tuple[list[T]
     return split_questions(items, count / len(items) if items else 0.0, seed)
 
 
-__all__ = ["hold_out", "split_questions"]
+def hold_out_balanced(questions: Sequence[T], per_value: int, seed: int = 0, attribute: str = "kind") -> tuple[list[T], list[T]]:
+    """``(train, heldout)`` with ``per_value`` held-out questions of each value of ``attribute``
+    (``kind``: 48 ``direct`` + 48 ``graph_only`` on the routing task), so that a held-out mean
+    does not lean to whichever type the world has more of. Each value's questions are split as
+    ``hold_out`` splits a list (the same keys), and both parts keep the input order. A value with
+    fewer than ``per_value`` questions, or a question without the attribute, is an error."""
+    items = list(questions)
+    ids = [str(q["id"] if isinstance(q, dict) else q.id) for q in items]
+    values = [q.get(attribute) if isinstance(q, dict) else getattr(q, attribute) for q in items]
+    if None in values:
+        raise ValueError(f"question {ids[values.index(None)]!r} has no {attribute!r} to balance the held-out split by")
+    held: set[int] = set()
+    for value in sorted(set(values), key=str):
+        members = [i for i, v in enumerate(values) if v == value]
+        if not 0 <= per_value <= len(members):
+            raise ValueError(f"cannot hold out {per_value} questions of {attribute} {value!r}: there are {len(members)}")
+        held.update(sorted(members, key=lambda i: (_key(seed, ids[i]), i))[:per_value])  # split_questions' rule
+    return [q for i, q in enumerate(items) if i not in held], [q for i, q in enumerate(items) if i in held]
+
+
+__all__ = ["hold_out", "hold_out_balanced", "split_questions"]
