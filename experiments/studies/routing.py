@@ -46,6 +46,15 @@ blocks (training EM, graph share and route advantages per type, minutes per step
 ``--show-progress`` prints the same for every seed at any time, from another shell while the
 study trains, without training or writing anything.
 
+Issue #64's measurement and options: ``--heldout-per-type 48`` holds out 48 questions of each
+type, fixed before training, instead of ``--heldout`` questions of any type; the report adds
+routing accuracy per type at the mode slot and the cost regret against the perfect router,
+(cost − perfect) / (always-graph − perfect), one search per question with its golden sub-query
+(``reference_router_costs``; ``experiments.evaluate.cost_regret``).
+``--stage2-override KEY=VALUE`` (repeatable) sets a key of routing_grpo.yaml for stage 2 only, e.g.
+``learner.loss.mode_entropy_coef=0.1``; the trainer options ``data.balance_by=kind`` and
+``learner.loss.mode_pg_coef=K`` go in as plain overrides (both stages) or stage-2 ones.
+
 The same functions run one seed inside ``make demo`` (``experiments.demo``).
 """
 
