@@ -32,6 +32,7 @@ from actors.engines.rollout_worker import RolloutWorker, make_engine
 from actors.env_runner import EnvRunner
 from actors.learner import Learner, LearnerGroup
 from actors.retrieval_service import RESTARTS, start_retrieval_service
+from actors.sync_verify import SyncVerifier, default_tolerance, probe_token_ids
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
 from raggym.config_nodes import ConfigError, to_plain
 from raggym.models import load_policy_tokenizer
@@ -127,6 +128,23 @@ def learner_config(cfg) -> dict:
     return learner
 
 
+def sync_verifier(cfg, tokenizer, score, engine_dtype: str | None, num_workers: int) -> SyncVerifier | None:
+    """The run's ``SyncVerifier`` (``rollout.verify_sync``), its baseline taken: ``None`` when the
+    verification is off. ``score(ids, workers)`` is the runtime's (``SyncVerifier``)."""
+    settings = cfg.rollout.verify_sync
+    if int(settings.every) == 0:
+        return None
+    learner_dtype = str(cfg.learner.get("dtype", "auto"))
+    tolerance = settings.tolerance
+    if tolerance is None:  # the looser bound as soon as either side runs in a reduced precision
+        reduced = max(default_tolerance(engine_dtype), default_tolerance(None if learner_dtype == "auto" else learner_dtype))
+        tolerance = reduced
+    verifier = SyncVerifier(probe_token_ids(tokenizer, int(settings.probe_tokens)), score, tolerance=float(tolerance),
+                            every=int(settings.every))
+    verifier.baseline(num_workers)
+    return verifier
+
+
 VLLM_ENGINES = ("vllm", "vllm-async")  # vLLM's offline LLM and its AsyncLLM (sessions, continuous batching)
 
 
@@ -172,6 +190,9 @@ class LocalLearnerGroup:
         if set(versions) != {self.version}:
             raise RuntimeError(f"engines report weight versions {versions}, expected {self.version}")
         return {"weight_version": float(self.version), "sync_seconds": time.perf_counter() - t0}
+
+    def score_probe(self, token_ids) -> list[float]:
+        return self.learner.score_probe(token_ids)
 
     def save_checkpoint(self, out_dir: str, policy: bool = True) -> str:
         return self.learner.save_checkpoint(out_dir, policy)
@@ -226,9 +247,22 @@ class LocalRuntime(InProcessRollouts):
             engine = make_engine(cfg.rollout.engine, **kwargs)
         super().__init__(engine, load_policy_tokenizer(cfg.policy.model), make_env, _rollout_config(cfg))
         self.learners = LocalLearnerGroup(learner_config(cfg)) if with_learners else None
+        self.verifier = None
+        if with_learners:
+            self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, engine.info().get("dtype"), 1)
+
+    def _score_probe(self, ids, workers):
+        score = getattr(self.engine, "score_prompt", None)
+        if score is None:
+            raise TypeError(f"{type(self.engine).__name__} cannot score a prompt, so its weight syncs cannot be "
+                            "verified; train with rollout.verify_sync.every=0")
+        return self.learners.score_probe(ids), [score(ids) for _ in workers]
 
     def sync_weights(self) -> dict[str, float]:
-        return self.learners.sync_weights([self.engine])
+        metrics = self.learners.sync_weights([self.engine])
+        if self.verifier is not None:
+            metrics.update(self.verifier.after_sync(self.learners.version))
+        return metrics
 
     def shutdown(self) -> None:
         stop = getattr(self.engine, "shutdown", None)  # vLLM's engine-core and worker processes
@@ -322,6 +356,17 @@ class RayRuntime:
             self.learners = LearnerGroup(config, num_learners=int(cfg.num_learners),
                                          resources={**learner_options, **in_group(group)})
         ray.get([w.ping.remote() for w in self.workers] + [x.ping.remote() for x in self.runners(None)])
+        self.verifier = None
+        if with_learners:
+            engine_dtype = ray.get(self.workers[0].info.remote()).get("dtype")
+            self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, engine_dtype, len(self.workers))
+
+    def _score_probe(self, ids, workers) -> tuple[list[float], list[list[float]]]:
+        """The learners' and the listed workers' probe log-probs, computed side by side."""
+        learner = self.learners.score_probe_async(ids)
+        engines = [self.workers[i].score_prompt_async.remote(ids) for i in workers]
+        scores = get_all([*learner, *engines], what="the weight-sync probe")
+        return scores[0], scores[len(learner):]
 
     def runners(self, env_kwargs: dict | None) -> list:
         """The env runners for ``env_kwargs`` (default: ``env.kwargs``), started on first use."""
@@ -373,18 +418,29 @@ class RayRuntime:
 
     def _resync_restarted_workers(self) -> None:
         """A rollout worker Ray restarted holds its initial weights and no place in the collective
-        group: load the current weights into it, and rebuild the group at the next sync."""
-        if self.learners is not None and self.learners.resync_restarted(self.workers):
+        group: load the current weights into it (verified at once), and rebuild the group at the
+        next sync."""
+        if self.learners is None:
+            return
+        restarted = self.learners.resync_restarted(self.workers)
+        if restarted:
             self._sync_ready = False
+            if self.verifier is not None:
+                self.verifier.restarted(restarted)
+                self.verifier.verify(self.learners.version, restarted)
 
     def sync_weights(self) -> dict[str, float]:
         self._resync_restarted_workers()
         if self._sync_backend is None:
-            return self.learners.sync_weights(self.workers)
-        if not self._sync_ready:  # the broadcast group is built once, at the first sync
-            self.learners.init_weight_sync(self.workers, backend=self._sync_backend)
-            self._sync_ready = True
-        return self.learners.broadcast_weights(self.workers)
+            metrics = self.learners.sync_weights(self.workers)
+        else:
+            if not self._sync_ready:  # the broadcast group is built once, at the first sync
+                self.learners.init_weight_sync(self.workers, backend=self._sync_backend)
+                self._sync_ready = True
+            metrics = self.learners.broadcast_weights(self.workers)
+        if self.verifier is not None:
+            metrics.update(self.verifier.after_sync(self.learners.version))
+        return metrics
 
     def shutdown(self) -> None:
         if self.learners is not None:

@@ -35,6 +35,7 @@ from actors.learner import LearnerConfig
 from actors.runtime import (bound_staleness, learner_config, make_runtime, takes_knowledge_bases,
                             teacher_evidence_tokens)
 from actors.storage import RunStorage, StorageError, stage_on_every_node
+from actors.sync_verify import WeightSyncError
 from experiments.config import ConfigError, load_config, to_plain, validate_config
 from experiments.evaluate import evaluate_episodes
 from experiments.sft import golden_examples, run_sft
@@ -295,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except StorageError as exc:  # a run location some node cannot use: say which, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WeightSyncError as exc:  # an engine that did not take the learner's weights: stop, say which
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     if args.json:
         print(json.dumps(last))
     else:

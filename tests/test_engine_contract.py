@@ -32,6 +32,7 @@ from actors.engines.base import derive_seed
 from actors.engines.vllm_async import AsyncVLLMEngine
 from actors.engines.vllm_engine import CPU_BLOCK_SIZE, TRITON_FP32_SWITCH, VLLMEngine, engine_arguments
 from actors.learner import Learner, LearnerConfig, make_train_batch
+from actors.sync_verify import SyncVerifier, WeightSyncError, probe_token_ids
 from actors.weight_sync import FlatWeights
 from raggym.models import converted_checkpoint, resolve_model_spec
 
@@ -70,6 +71,9 @@ class AsyncEngineAsBatch:
 
     def update_weights(self, weights, version=None):
         return self.run(self.engine.update_weights(weights, version))
+
+    def score_prompt(self, ids):
+        return self.run(self.engine.score_prompt(ids))
 
     def prefix_cache_stats(self):
         return self.engine.prefix_cache_stats()
@@ -202,6 +206,19 @@ def test_sampled_logprobs_equal_the_learners_recomputed_ones(engine, prompts, le
     assert_learner_logprobs(learner, prompts * 2, results)
 
 
+def test_prompt_scores_equal_the_learners_at_temperature_one(engine, learner):
+    """What a weight sync's probe reads (actors/sync_verify.py): the engine's own log-probs of a fixed
+    sequence, not of its samples. The learner here runs at temperature 1, like the probe."""
+    ids = probe_token_ids(learner.tokenizer, 128)
+    scores = torch.tensor(engine.score_prompt(ids))
+    reference = torch.tensor(learner.score_probe(ids))
+    assert scores.shape == reference.shape == (127,)
+    gaps = (scores - reference).abs()
+    assert float(gaps.mean()) <= LOGPROB_MEAN_TOL and float(gaps.max()) <= LOGPROB_MAX_TOL, (gaps.mean(), gaps.max())
+    # scored after a generation, the prefix cache must not change a value (vLLM skips it for prompt log-probs)
+    assert torch.equal(torch.tensor(engine.score_prompt(ids)), scores)
+
+
 def test_eos_and_length_finish_reasons(engine, prompts):
     ended = engine.generate(prompts[:1], SamplingParams(temperature=0.0), max_new_tokens=16)[0]
     assert ended.finish_reason == "eos" and ended.token_ids[-1] in eos_ids(engine) and ended.stop_string is None
@@ -271,14 +288,25 @@ def check_learner_step_then_sync(engine, prompts, lora):
     trained = Learner(LearnerConfig.from_dict({
         **LEARNER_SETTINGS, "lora": lora, "optimizer": {"lr": 1e-3 if lora else 1e-4, "weight_decay": 0.0}}))
     original = trained.get_weights().state_dict()
+    # The runtime's sync check (actors/sync_verify.py) on the same two parts: the probe scored by
+    # vLLM's prompt log-probs and by the learner.
+    verifier = SyncVerifier(probe_token_ids(trained.tokenizer, 128),
+                            lambda ids, workers: (trained.score_probe(ids), [engine.score_prompt(ids)]),
+                            tolerance=LOGPROB_MEAN_TOL)
     try:
+        assert verifier.baseline(1)["probe_drift_mean"] <= LOGPROB_MEAN_TOL  # the same weights on both sides
         sample_and_train(trained, engine, prompts, seed=5)
         # The learner moved: the engine's samples from the old weights are off the new policy, so a
-        # sync that loads nothing (or loads the old weights) fails the check below.
+        # sync that loads nothing (or loads the old weights) fails the checks below.
         stale = engine.generate(prompts * 2, SamplingParams(temperature=1.0, seed=6), max_new_tokens=16)
         assert drift(trained, prompts * 2, stale)[0] > 20 * LOGPROB_MEAN_TOL
+        with pytest.raises(WeightSyncError, match="worker 0 at version 1 did not take"):
+            verifier.verify(1)  # the engine still holds version 0
         weights = trained.get_weights()  # LoRA: merged into the base weights, under HF names
         assert engine.update_weights(weights) == trained.version == 1
+        checked = verifier.after_sync(1)
+        print(f"sync probe after the step: {checked}")  # -rP shows it
+        assert checked["probe_learner_moved"] > 20 * LOGPROB_MEAN_TOL  # after_sync raised had the engine not followed
         fresh = engine.generate(prompts * 2, SamplingParams(temperature=1.0, seed=6), max_new_tokens=16)
         assert {r.weight_version for r in fresh} == {1}
         assert_learner_logprobs(trained, prompts * 2, fresh)

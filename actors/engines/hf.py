@@ -280,6 +280,17 @@ class HFEngine:
     def close(self) -> None:
         """Nothing to release: the engine holds no thread or process of its own."""
 
+    @torch.no_grad()
+    def score_prompt(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(x_t | x_<t) at temperature 1 for t = 1 .. len - 1 (a weight sync's probe,
+        ``actors.sync_verify``); waits for a weight update in flight, like ``generate``."""
+        ids = torch.tensor([[int(t) for t in token_ids]], dtype=torch.long, device=self.device)
+        if ids.shape[1] < 2:
+            raise ValueError("score_prompt needs at least 2 tokens")
+        with self._model_lock:
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
+
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, named_tensors, version: int | None = None, *, strict: bool = True) -> int:

@@ -4,8 +4,8 @@ vLLM's ``AsyncLLM`` is bound to the event loop it first runs on, and must be shu
 Ray ``RolloutWorker`` gives it the actor's loop for life; code in one process (the local runtime,
 ``raggym serve``-less scripts) runs each rollout under a fresh ``asyncio.run``. This wrapper keeps
 the engine on one long-lived loop thread and offers what the rollout loop and the learner call:
-``generate_async`` (awaitable from any loop), ``end_session``, ``load``, and a synchronous
-``update_weights``.
+``generate_async`` (awaitable from any loop), ``end_session``, ``load``, and synchronous
+``update_weights`` and ``score_prompt``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class OwnLoopEngine:
 
     def update_weights(self, named_tensors, version: int | None = None) -> int:
         return self._call(self.engine.update_weights(named_tensors, version))
+
+    def score_prompt(self, token_ids: Sequence[int]) -> list[float]:
+        return self._call(self.engine.score_prompt(token_ids))
 
     def info(self) -> dict:
         return self.engine.info()

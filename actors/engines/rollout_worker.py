@@ -198,6 +198,17 @@ class RolloutWorker:
             return self._updated(await self.engine.receive_weights())
         return self._updated(await asyncio.to_thread(self.engine.receive_weights))
 
+    async def score_prompt_async(self, token_ids: Sequence[int]) -> list[float]:
+        """The engine's log p(x_t | x_<t) of ``token_ids`` at temperature 1 (a sync's probe,
+        ``actors.sync_verify``); an engine without weights (scripted) has no such method."""
+        score = getattr(self.engine, "score_prompt", None)
+        if score is None:
+            raise TypeError(f"{type(self.engine).__name__} cannot score a prompt, so its weight syncs cannot be "
+                            "verified; train with rollout.verify_sync.every=0")
+        if inspect.iscoroutinefunction(score):
+            return await score(token_ids)
+        return await asyncio.to_thread(score, token_ids)
+
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
 

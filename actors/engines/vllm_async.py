@@ -32,6 +32,8 @@ from actors.engines.vllm_engine import (
     flat_weights_file,
     import_vllm,
     prefix_cache_counters,
+    prompt_logprobs_of,
+    prompt_scoring_kwargs,
     result_of,
     sampling_kwargs,
 )
@@ -76,13 +78,17 @@ class AsyncVLLMEngine:
             self._idle = asyncio.Condition()
         return self._idle
 
-    async def _run(self, prompt_ids: Sequence[int], params, request_id: str) -> GenerationResult:
+    async def _final_output(self, prompt_ids: Sequence[int], params, request_id: str):
         prompt = self._TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
         final = None
         async for output in self.engine.generate(prompt, params, request_id=request_id):
             final = output  # cumulative: the last one holds every token
         if final is None:
             raise RuntimeError("vLLM finished the request without an output")
+        return final
+
+    async def _run(self, prompt_ids: Sequence[int], params, request_id: str) -> GenerationResult:
+        final = await self._final_output(prompt_ids, params, request_id)
         return result_of(final.outputs[0], self.weight_version)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop_strings: Sequence[str],
@@ -108,6 +114,22 @@ class AsyncVLLMEngine:
         self._open.add(session_id)
         try:
             return await self._run(context_token_ids, params, f"{session_id}-{uuid.uuid4().hex}")
+        finally:
+            async with idle:
+                self._running -= 1
+                idle.notify_all()
+
+    async def score_prompt(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(x_t | x_<t) at temperature 1 for t = 1 .. len - 1 (a weight sync's probe); waits
+        for a weight update in flight, like a session's turn."""
+        ids = [int(t) for t in token_ids]
+        params = self._VSamplingParams(**prompt_scoring_kwargs())
+        idle = self._condition()
+        async with idle:
+            await idle.wait_for(lambda: not self._updating)
+            self._running += 1
+        try:
+            return prompt_logprobs_of(await self._final_output(ids, params, f"probe-{uuid.uuid4().hex}"), ids)
         finally:
             async with idle:
                 self._running -= 1

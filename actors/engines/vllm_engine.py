@@ -169,6 +169,23 @@ def sampling_kwargs(sampling: SamplingParams, stop_strings: Sequence[str], max_n
     }
 
 
+def prompt_scoring_kwargs() -> dict:
+    """``vllm.SamplingParams`` keywords that score a prompt: each prompt token's log-prob under the
+    raw distribution (vLLM computes prompt log-probs before any sampling processor, so temperature,
+    top-k and ``logprobs_mode`` do not touch them) and one throwaway sampled token. vLLM skips its
+    prefix cache for such a request, so every position is computed with the current weights."""
+    return {"n": 1, "temperature": 1.0, "max_tokens": 1, "prompt_logprobs": 0}
+
+
+def prompt_logprobs_of(output, token_ids: Sequence[int]) -> list[float]:
+    """log p(x_t | x_<t) for t = 1 .. len - 1 from a ``RequestOutput`` of ``prompt_scoring_kwargs``."""
+    entries = output.prompt_logprobs or []
+    ids = [int(t) for t in token_ids]
+    if len(entries) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(entries)} prompt log-prob entries for a prompt of {len(ids)} tokens")
+    return [float(step[tok].logprob) for tok, step in zip(ids[1:], entries[1:])]
+
+
 def finish_of(finish_reason: str | None, stop_reason) -> tuple[str, str | None]:
     """vLLM's ``(finish_reason, stop_reason)`` -> raggym's ``(finish_reason, stop_string)``.
 
@@ -274,6 +291,13 @@ class VLLMEngine:
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [result_of(out.outputs[0], self.weight_version) for out in outputs]
 
+    def score_prompt(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(x_t | x_<t) at temperature 1 for t = 1 .. len - 1 (a weight sync's probe)."""
+        ids = [int(t) for t in token_ids]
+        output = self.llm.generate([self._TokensPrompt(prompt_token_ids=ids)],
+                                   self._VSamplingParams(**prompt_scoring_kwargs()), use_tqdm=False)[0]
+        return prompt_logprobs_of(output, ids)
+
     def prefix_cache_stats(self) -> dict[str, int]:
         """vLLM's own prefix-cache counters (tokens queried, tokens found cached) since start."""
         return prefix_cache_counters(self.llm.get_metrics())
@@ -328,6 +352,8 @@ __all__ = [
     "flat_weights_file",
     "import_vllm",
     "prefix_cache_counters",
+    "prompt_logprobs_of",
+    "prompt_scoring_kwargs",
     "result_of",
     "sampling_kwargs",
     "vllm_available",

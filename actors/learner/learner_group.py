@@ -97,6 +97,12 @@ class LearnerGroup:
             return torch.cat(parts)
         return ray.get(self.learners[0].compute_logprobs.remote(token_ids, attention_mask))
 
+    def score_probe_async(self, token_ids) -> list:
+        """Refs of the learners' ``score_probe`` (rank 0's is the group's, the first ref): every rank
+        under ZeRO-3, whose forward needs them all, else rank 0 alone."""
+        ranks = self.learners if self.config.zero_stage == 3 else self.learners[:1]
+        return [l.score_probe.remote(list(token_ids)) for l in ranks]
+
     def publish_weights(self, dtype: torch.dtype | str | None = None):
         """Put the current weights into the object store once; returns the ``ObjectRef``."""
         import ray
