@@ -276,13 +276,15 @@ class Learner:
         return self._agreed(max(1, math.ceil(positions / chunk)))
 
     @torch.no_grad()
-    def _logprobs_with(self, model, token_ids, attention_mask, micro_batch_size, needed=None) -> torch.Tensor:
+    def _logprobs_with(self, model, token_ids, attention_mask, micro_batch_size, needed=None,
+                       temperature: float | None = None) -> torch.Tensor:
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         attention_mask = torch.ones_like(token_ids) if attention_mask is None else torch.as_tensor(attention_mask)
         needed = attention_mask.bool() if needed is None else torch.as_tensor(needed).bool() & attention_mask.bool()
         needed[:, 0] = False  # nothing predicts the first token
         out = torch.zeros(token_ids.shape, dtype=torch.float32)
-        head, temperature, chunk = output_head(model), self.config.temperature, self.config.logit_chunk_size
+        head, chunk = output_head(model), self.config.logit_chunk_size
+        temperature = self.config.temperature if temperature is None else float(temperature)
         # the packed layout needs right padding; anything else runs as given, row by padded row
         right_padded = bool((attention_mask.long().cummin(-1).values == attention_mask.long()).all())
         order = shared_prompt_order(token_ids, attention_mask) if right_padded else torch.arange(token_ids.shape[0])
@@ -319,6 +321,18 @@ class Learner:
         self.engine.eval()
         try:
             return self._logprobs_with(self.engine, token_ids, attention_mask, micro_batch_size, needed)
+        finally:
+            self.engine.train(was_training)
+
+    def score_probe(self, token_ids) -> list[float]:
+        """log π(x_t | x_<t) at temperature 1 for t = 1 .. len - 1 of one sequence: the learner's side
+        of a weight sync's probe (``actors.sync_verify``). Every rank takes part under ZeRO-3; rank 0's
+        values are the group's."""
+        ids = torch.as_tensor([list(token_ids)], dtype=torch.long)
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            return self._logprobs_with(self.engine, ids, None, None, temperature=1.0)[0, 1:].tolist()
         finally:
             self.engine.train(was_training)
 
