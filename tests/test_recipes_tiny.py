@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,10 @@ def test_routerag_tiny_step(tiny_vllm_policy, index_root, tmp_path):
     from raggym.protocol import get_dialect
     from raggym.trajectory import mode_choice_token_indices, token_char_offsets
 
+    # with issue #64's trainer options on too: type-balanced batches and the mode-choice PG term
     cfg, record, lines = run_one_step("routerag", tiny_vllm_policy, index_root, tmp_path / "routerag",
-                                      "learner.loss.mode_entropy_coef=1.0")
+                                      "learner.loss.mode_entropy_coef=1.0", "learner.loss.mode_pg_coef=1.0",
+                                      "data.balance_by=kind", "rollout.prompts_per_step=3")
     assert record["stage"] == "stage1"  # stage2_start: 1, so step 0 scores EM alone
     check_rewards_and_advantages(cfg, record, lines)
     check_learner_step(cfg, record, lines)
@@ -109,6 +112,14 @@ def test_routerag_tiny_step(tiny_vllm_policy, index_root, tmp_path):
                 for ln in lines for turn in ln["turns"])
     assert sum(len(ln["mode_choice_positions"]) for ln in lines) == named
     assert record["learner/mode_choices"] == named
+    assert math.isfinite(record["learner/mode_pg_term"])  # the mode mask reached the mode-choice PG term
+    # the step's prompts hold each question type as equally as the batch size allows
+    from raggym.data.synthetic import generate_world
+
+    kinds = {q.id: q.kind for q in generate_world(**to_plain(cfg.data.synthetic)).questions}
+    prompts = Counter(kinds[qid] for qid in {ln["episode"]["question_id"] for ln in lines})
+    assert sum(prompts.values()) == cfg.rollout.prompts_per_step
+    assert max(prompts.values()) - min(prompts.values()) <= 1 and len(prompts) == min(3, cfg.rollout.prompts_per_step), prompts
 
 
 def test_search_r1_tiny_step(tiny_vllm_policy, index_root, tmp_path):
