@@ -94,8 +94,8 @@ class Rollout:
 
     Recorded for the learner while the rollout ran: ``mode_choice_positions`` (indices into
     ``token_ids``, ascending, of the model tokens that name a search's retrieval mode; the mode
-    entropy bonus acts there) and ``teacher_prompt_ids`` (PathRouter's teacher prompt, the gold
-    evidence before the episode's prompt; ``None`` when the rollout was not asked for it).
+    entropy bonus acts there) and ``teacher_prompt_ids`` (PathRouter's teacher prompt, the episode's
+    prompt with the gold evidence appended; ``None`` when the rollout was not asked for it).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -179,15 +179,19 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def teacher_prompt_ids(tokenizer, gold_passages: Sequence[str], prompt: str, max_evidence_tokens: int) -> list[int]:
-    """PathRouter's teacher prompt: ``prompt`` preceded by the gold evidence, in the chat template.
+    """PathRouter's teacher prompt: ``prompt`` followed by the gold evidence, in the chat template.
 
-    The evidence is the gold passages joined by newlines, cut to its first ``max_evidence_tokens``
-    tokens. The cut is made on ids and decoded back to text because the teacher reads the evidence
-    inside one chat message, tokenized as a whole like any prompt.
+    The paper appends the gold passages to the teacher's prompt, so the evidence comes after the
+    episode's prompt, inside the same user message. The evidence is the gold passages joined by
+    newlines, cut to its first ``max_evidence_tokens`` tokens (the cut is raggym's, to bound the
+    teacher's sequence; the paper states none). The cut is made on ids and decoded back to text
+    because the teacher reads the evidence inside one chat message, tokenized as a whole like any
+    prompt. The student's response tokens follow the whole teacher prompt (the chat template's
+    generation header included), so where the evidence sits inside it does not move them.
     """
     evidence_ids = tokenizer("\n".join(gold_passages), add_special_tokens=False)["input_ids"][:max_evidence_tokens]
     evidence = tokenizer.decode(evidence_ids, skip_special_tokens=True)
-    return chat_prompt_ids(tokenizer, f"Evidence:\n{evidence}\n\n{prompt}")
+    return chat_prompt_ids(tokenizer, f"{prompt}\n\nEvidence:\n{evidence}")
 
 
 class RolloutBuilder:

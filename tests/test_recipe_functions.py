@@ -119,7 +119,7 @@ def _with_teacher_prompt(tokenizer, rollout, max_evidence_tokens):
     return rollout
 
 
-def test_teacher_fields_put_the_gold_evidence_before_the_prompt_and_align_the_student_tokens(tokenizer):
+def test_teacher_fields_append_the_gold_evidence_to_the_prompt_and_align_the_student_tokens(tokenizer):
     from raggym.trajectory import chat_prompt_ids
 
     T, Q, A, O = SpanLabel.THINK, SpanLabel.QUERY, SpanLabel.ANSWER, SpanLabel.OBSERVATION
@@ -134,13 +134,16 @@ def test_teacher_fields_put_the_gold_evidence_before_the_prompt_and_align_the_st
     evidence_ids = tokenizer("The tower stands in Paris.\nParis is in France.", add_special_tokens=False)["input_ids"]
     evidence = tokenizer.decode(evidence_ids[:4], skip_special_tokens=True)
     assert len(evidence_ids) > 4 and evidence == "The tower stands in"
-    teacher_prompt = chat_prompt_ids(tokenizer, f"Evidence:\n{evidence}\n\nWhere is the tower?")
+    # PathRouter appends the gold passages to the teacher's prompt: the question first, then the evidence.
+    teacher_prompt = chat_prompt_ids(tokenizer, f"Where is the tower?\n\nEvidence:\n{evidence}")
     n = len(teacher_prompt)
+    shown = tokenizer.decode(fields["teacher_token_ids"][0, :n].tolist())
+    assert shown.index("Where is the tower?") < shown.index("Evidence:\nThe tower stands in")
     assert fields["teacher_token_ids"][0, : n + 5].tolist() == teacher_prompt + [501, 502, 503, 504, 505]
     assert fields["teacher_attention_mask"][0].tolist() == [1] * (n + 5) + [0] * (fields["teacher_token_ids"].shape[1] - n - 5)
     # Student token t ≥ prompt length sits at teacher position n + t − prompt length; prompt tokens have none.
     assert fields["teacher_positions"][0].tolist() == [-1] * 4 + [n, n + 1, n + 2, n + 3, n + 4]
-    second_prompt = chat_prompt_ids(tokenizer, "Evidence:\nEiffel built it\n\nWho built it?")  # 5 tokens cut to 4
+    second_prompt = chat_prompt_ids(tokenizer, "Who built it?\n\nEvidence:\nEiffel built it")  # 5 tokens cut to 4
     m = len(second_prompt)
     assert fields["teacher_positions"][1].tolist() == [-1, -1, m, m + 1] + [-1] * 5  # padded to the longest student row
     for row, rollout in enumerate((first, second)):

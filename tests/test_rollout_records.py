@@ -56,7 +56,8 @@ def test_the_teacher_prompt_is_recorded_from_the_gold_passages_and_the_reset_pro
     # 10 tokens: 'In' 'ception' ' is' ' a' ' ' '2' '0' '1' '0' ' film' (SmolLM2 spells numbers digit by digit)
     assert evidence == "Inception is a 2010 film"
     for env, rollout in zip(envs, rollouts):
-        assert rollout.teacher_prompt_ids == chat_prompt_ids(tokenizer, f"Evidence:\n{evidence}\n\n{env.record.prompt}")
+        # the paper appends the gold passages to the teacher's prompt: the episode's prompt, then the evidence
+        assert rollout.teacher_prompt_ids == chat_prompt_ids(tokenizer, f"{env.record.prompt}\n\nEvidence:\n{evidence}")
         assert rollout.as_dict()["teacher_prompt_ids"] == rollout.teacher_prompt_ids
     fields = teacher_fields(rollouts, int(tokenizer.pad_token_id))
     for row, rollout in enumerate(rollouts):  # the teacher reads the student's own response tokens after its prompt
