@@ -37,14 +37,24 @@ replica (token-equal only on a batch-invariant engine: docs/runtime.md, "What re
 
 The token rules (exact sampled ids kept, observations tokenized once, loss mask 0 on prompt and
 observation tokens, response and observation caps) live in ``raggym.trajectory``. The loop adds
-the budgets of ``RolloutConfig``: tokens per generation call (``max_turn_tokens``), model tokens
-per episode (``max_response_tokens``) and, optionally, tokens of the whole context
+the budgets of ``RolloutConfig``: tokens per generation call (``max_turn_tokens``), the response
+budget per episode (``max_response_tokens``) and, optionally, tokens of the whole context
 (``max_sequence_tokens``: prompt, turns and observations together, as RouteRAG's 4,096).
+
+What the response budget counts is ``response_budget_counts``:
+
+- ``"model"`` (the default): the model's sampled tokens only, over all turns (calls) of the episode;
+- ``"model_and_observations"``: the model's tokens and the observation tokens appended to the
+  transcript, everything after the prompt, as verl-tool's ``max_response_length`` counts them
+  (LWS trains with verl-tool). A turn samples at most what the budget has left, an observation is
+  cut to it, and the episode is truncated (``"response_tokens"``) once nothing is left. In
+  ``"replace"`` mode an observation is the next call's prompt, not appended to a response, so
+  only the model's tokens count there, as with ``"model"``.
 
 What the learner needs besides the tokens is recorded on each ``Rollout`` while it is known: the
 builder marks the model's mode choices turn by turn, and with ``teacher_evidence_tokens`` set the
-episode's start records PathRouter's teacher prompt, built from the gold passages and the prompt
-the environment's ``reset`` returned.
+episode's start records PathRouter's teacher prompt, built from the prompt the environment's
+``reset`` returned and the gold passages appended to it.
 """
 
 from __future__ import annotations
@@ -63,6 +73,9 @@ from envs.wrappers import batched_step_env
 from raggym.generation import GenerationResult, SamplingParams
 from raggym.seeding import derive_seed
 from raggym.trajectory import Rollout, RolloutBuilder, chat_prompt_ids, teacher_prompt_ids
+
+# What RolloutConfig.max_response_tokens counts (the module docstring says how each is applied).
+RESPONSE_BUDGET_COUNTS = ("model", "model_and_observations")
 
 @dataclass(frozen=True)
 class EpisodeRequest:
@@ -87,10 +100,13 @@ class RolloutConfig:
     # how long the first pending retrieval waits for other episodes' requests before
     # the batch goes out (it goes at once when every live episode is waiting on retrieval).
     retrieval_batch_window_s: float = 0.02
-    # PathRouter's teacher KL reads each rollout's teacher prompt: the episode's gold passages, cut
-    # to this many tokens, before its prompt (``raggym.trajectory.teacher_prompt_ids``). None: no
+    # PathRouter's teacher KL reads each rollout's teacher prompt: the episode's prompt with its gold
+    # passages, cut to this many tokens, appended (``raggym.trajectory.teacher_prompt_ids``). None: no
     # rollout records one (nothing reads it, and it would only cost a tokenization per episode).
     teacher_evidence_tokens: int | None = None
+    # What max_response_tokens counts: "model" (sampled tokens only) or "model_and_observations"
+    # (sampled and appended observation tokens, verl-tool's max_response_length); RESPONSE_BUDGET_COUNTS.
+    response_budget_counts: str = "model"
 
     def __post_init__(self):
         for name in ("max_response_tokens", "max_turn_tokens", "max_observation_tokens"):
@@ -103,6 +119,9 @@ class RolloutConfig:
         if self.teacher_evidence_tokens is not None and self.teacher_evidence_tokens < 1:
             raise ValueError(f"RolloutConfig.teacher_evidence_tokens must be at least 1 or None, got "
                              f"{self.teacher_evidence_tokens}")
+        if self.response_budget_counts not in RESPONSE_BUDGET_COUNTS:
+            raise ValueError(f"RolloutConfig.response_budget_counts must be one of {list(RESPONSE_BUDGET_COUNTS)}, got "
+                             f"{self.response_budget_counts!r}")
 
 
 @dataclass
@@ -114,6 +133,7 @@ class _Slot:
     replace_context: bool
     done: bool = False
     used: int = 0  # model tokens sampled over the whole episode
+    observed: int = 0  # observation tokens appended to the episode's transcript ("append" mode)
     finished: list[RolloutBuilder] = field(default_factory=list)  # earlier calls (replace mode)
     seed: int | None = None  # the episode's own seed (turn t samples with derive_seed(seed, t))
     turn: int = 0  # model calls made so far
@@ -425,10 +445,17 @@ class MultiTurnRollout:
         cap = self.config.max_sequence_tokens
         return None if cap is None else cap - len(builder.rollout.token_ids)
 
+    def _budget_left(self, slot: _Slot) -> int:
+        """What the episode's response budget has left, counted as ``response_budget_counts`` says."""
+        spent = slot.used
+        if self.config.response_budget_counts == "model_and_observations":
+            spent += slot.observed
+        return self.config.max_response_tokens - spent
+
     def _room(self, slot: _Slot) -> int:
         """Model tokens the next turn may sample: the response budget, within the sequence cap."""
         sequence = self._sequence_room(slot.builder)
-        budget = slot.builder.response_budget_left
+        budget = max(0, min(slot.builder.response_budget_left, self._budget_left(slot)))
         return budget if sequence is None else max(0, min(budget, sequence))
 
     def _end_by_length(self, slot: _Slot, reason: str) -> None:
@@ -441,7 +468,7 @@ class MultiTurnRollout:
         if terminated or truncated:
             slot.done = True
             return
-        if self.config.max_response_tokens - slot.used <= 0:
+        if self._budget_left(slot) <= 0:
             self._end_by_length(slot, "response_tokens")
             return
         if slot.replace_context:  # the observation is the whole next prompt: a new call, a new rollout
@@ -455,16 +482,22 @@ class MultiTurnRollout:
         else:
             builder, room = slot.builder, self._sequence_room(slot.builder)
             observation_cap = builder.max_observation_tokens
+            kept = observation_cap
             if room is not None:  # keep only the part of the observation that fits the context
-                builder.max_observation_tokens = max(0, min(observation_cap, room))
+                kept = min(kept, room)
+            if self.config.response_budget_counts == "model_and_observations":  # and the response budget
+                kept = min(kept, self._budget_left(slot))
+            builder.max_observation_tokens = max(0, kept)
             try:
-                builder.add_observation(observation)
+                slot.observed += len(builder.add_observation(observation))
             finally:
                 builder.max_observation_tokens = observation_cap
         room = self._sequence_room(slot.builder)
         if room is not None and room <= 0:
             self._end_by_length(slot, "sequence_tokens")
+        elif self._budget_left(slot) <= 0:  # observations filled the budget ("model_and_observations")
+            self._end_by_length(slot, "response_tokens")
 
 
-__all__ = ["EpisodeRequest", "LocalBackend", "MultiTurnRollout", "RetrievalBatcher", "RolloutBackend", "RolloutConfig",
-           "episode_seed", "run_coroutine"]
+__all__ = ["EpisodeRequest", "LocalBackend", "MultiTurnRollout", "RESPONSE_BUDGET_COUNTS", "RetrievalBatcher",
+           "RolloutBackend", "RolloutConfig", "episode_seed", "run_coroutine"]

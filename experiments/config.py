@@ -161,6 +161,9 @@ class RolloutSection:
     max_turn_tokens: int = 32
     max_observation_tokens: int = 128
     max_sequence_tokens: Optional[int] = None  # prompt + turns + observations of one context; None: no cap
+    # what max_response_tokens counts: the model's tokens only, or those and the observation tokens
+    # appended after them (verl-tool's max_response_length; envs.rollout.RESPONSE_BUDGET_COUNTS)
+    response_budget_counts: Literal["model", "model_and_observations"] = "model"
     max_staleness: int = 0  # versions a trained sample's weights may lag the learner's (0: on-policy)
     worker_cpus: float = 0.5
     worker_gpus: float = 0.0  # vllm on a GPU cluster: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)

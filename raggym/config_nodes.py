@@ -25,7 +25,8 @@ def to_plain(node) -> Any:
 
 # What an episode is: its env and its token limits. A runtime shared by a training stage or an
 # evaluation must have been built with the same (``check_runtime_serves``).
-EPISODE_LIMITS = ("env.id", "rollout.max_response_tokens", "rollout.max_turn_tokens", "rollout.max_observation_tokens")
+EPISODE_LIMITS = ("env.id", "rollout.max_response_tokens", "rollout.max_turn_tokens", "rollout.max_observation_tokens",
+                  "rollout.response_budget_counts")
 
 
 def check_runtime_serves(runtime_cfg, cfg, keys: Sequence[str], caller: str) -> None:

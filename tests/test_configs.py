@@ -58,6 +58,8 @@ def test_errors_in_a_file_name_the_file_and_types_are_checked(tmp_path):
         load_config(str(CONFIGS / "search_r1_tiny.yaml"), ["advantage.estimator=step_grpo"])
     with pytest.raises(ConfigError, match=r"rollout.workers: runtime local"):
         load_config(str(CONFIGS / "cpu_tiny.yaml"), ["runtime=local", "rollout.workers=2"])
+    with pytest.raises(ConfigError, match=r"rollout.response_budget_counts: must be one of \['model', 'model_and_observations'\]"):
+        load_config(str(CONFIGS / "lws_tiny.yaml"), ["rollout.response_budget_counts=observations"])
 
 
 def test_full_configs_carry_the_papers_numbers():
@@ -88,6 +90,11 @@ def test_full_configs_carry_the_papers_numbers():
     assert c.env.kwargs.retrieval_budget == 5 and c.reward.stage2_start > 0
     assert c.env.kwargs.top_k == 5 and c.reward.judge.model == "policy" and c.reward.similarity_normaliser == "eq8"
     assert (c.rollout.max_response_tokens, c.rollout.max_observation_tokens) == (16384, 4096)  # Table 5
+    # Table 5: max_action_length 8192 (verl-tool's per-turn limit) and 500 training steps; the stage
+    # switch stays at half the run; the budget counts observations as verl-tool's max_response_length does
+    assert (c.rollout.max_turn_tokens, c.run.steps, c.reward.stage2_start) == (8192, 500, 250)
+    assert c.rollout.response_budget_counts == "model_and_observations"
+    assert c.learner.loss.kl_coef == 0.0  # the text's "DAPO removes the KL term", not Table 5's 1e-4 (docs/fidelity.md)
 
     c = load_config(str(CONFIGS / "graphrag_r1.yaml"))
     assert c.policy.model == "Qwen/Qwen2.5-7B"  # "Qwen-2.5-7B as the default backbone"; fits (docs/cluster.md)
@@ -101,6 +108,7 @@ def test_full_configs_carry_the_papers_numbers():
     c = load_config(str(CONFIGS / "r1_router.yaml"))
     assert (c.rollout.group_size, c.learner.loss.clip_low, c.learner.optimizer.lr) == (8, 0.2, 1e-6)
     assert c.env.id == "raggym/MultiKBRoute-v0" and c.env.kwargs.max_route_steps == 3
+    assert c.env.kwargs.top_k == 5  # top-5 documents per search (the paper's appendix)
     assert c.advantage.estimator == "step_grpo"
     assert c.learner.loss.aggregation == "seq-mean-token-mean" and c.learner.loss.kl_coef == 0.0  # Eq. 12, no KL
 

@@ -101,7 +101,8 @@ def test_a_shared_runtime_serves_only_runs_with_its_episode_limits_and_policy():
 
     built = load_config("experiments/configs/cpu_tiny.yaml")
     check_runtime_serves(built, load_config("experiments/configs/cpu_tiny.yaml", ["run.steps=9"]), EPISODE_LIMITS, "train")
-    for override, key in (("rollout.max_turn_tokens=7", "rollout.max_turn_tokens"), ("env.id=raggym/SearchR1-v0", "env.id")):
+    for override, key in (("rollout.max_turn_tokens=7", "rollout.max_turn_tokens"), ("env.id=raggym/SearchR1-v0", "env.id"),
+                          ("rollout.response_budget_counts=model_and_observations", "rollout.response_budget_counts")):
         run = load_config("experiments/configs/cpu_tiny.yaml", [override])
         with pytest.raises(ValueError, match=rf"evaluate: the given runtime was built with {key}=.*this run asks for {key}="):
             check_runtime_serves(built, run, EPISODE_LIMITS, "evaluate")

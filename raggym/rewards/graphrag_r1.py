@@ -9,8 +9,12 @@ With N the number of retrievals in the trajectory::
     R_format = 0.5 if the trajectory follows the format, else 0
     PRA:  R_N = R0 · (1 − k^N) / (1 − k)     (k ≠ 1)        R0 = 0.5
           R_N = R0 · N                        (k = 1)
-          R_0 = 0
     CAF:  R = F1 · a · exp(−b · N)            a = 2, b = 0.1
+
+R0 (the paper's R_0) is the base reward, 0.5: what the first retrieval earns, not the value of
+PRA for a trajectory without retrievals. That value, PRA at N = 0, is 0 here: both forms above
+give 0 at N = 0 (an empty geometric sum), and the paper does not state the zero-retrieval case
+on its own, so 0 is our reading of the formula, not a number the paper gives.
 
 Phases: 1 — SFT cold start (no reward); 2 — R_format + PRA; 3 — R_format + CAF.
 
@@ -50,7 +54,8 @@ def graphrag_r1_format_reward(format_ok: bool, value: float = 0.5) -> float:
 
 
 def progressive_retrieval_attenuation(n_retrievals: int, r0: float = 0.5, k: float = 1.0) -> float:
-    """PRA: R_N = R0·(1 − k^N)/(1 − k), or R0·N when k = 1; 0 for N = 0."""
+    """PRA: R_N = R0·(1 − k^N)/(1 − k), or R0·N when k = 1; 0 for N = 0 (the formula's value there,
+    our reading: the paper gives no separate zero-retrieval case; R0 is the base reward, 0.5)."""
     if n_retrievals < 0:
         raise ValueError("the number of retrievals cannot be negative")
     if n_retrievals == 0:
