@@ -15,7 +15,11 @@
   the in-flight counts, the call count) is guarded by a lock, and so is query encoding (a fast
   tokenizer must not be entered by two threads at once).
 
-``start_retrieval_service`` creates the actors with declared resources, restarts and retries.
+``start_retrieval_service`` creates the actors with declared resources, restarts and retries. The
+service is told its shards and replicas by their Ray actor names, not handed their handles: Ray
+keeps constructor arguments that hold actor handles in its object store, and a restart fails once
+they are evicted (ray-project/ray#53727, logged at error level for every such actor with restarts).
+Names are plain strings passed inline, so a restarted service looks its shards up again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -119,12 +124,23 @@ class _ShardFanout:
         return np.full(len(queries), float(self.ntotal))
 
 
+def _actors_by_name(actors: Sequence[Any]) -> list[Any]:
+    """Actor handles, each given as a handle or as the Ray name of a live actor (looked up here)."""
+    if not any(isinstance(a, str) for a in actors):
+        return list(actors)
+    import ray
+
+    return [ray.get_actor(a) if isinstance(a, str) else a for a in actors]
+
+
 class RetrievalService(Retriever):
-    """A ``Retriever`` whose dense search and graph ranking run on other actors."""
+    """A ``Retriever`` whose dense search and graph ranking run on other actors (``shards`` and
+    ``replicas``: handles, or the Ray names of live actors, as ``start_retrieval_service`` gives them)."""
 
     def __init__(self, index_dir: str, shards: Sequence[Any], replicas: Sequence[Any] = (), routing: str = "round_robin",
                  num_threads: int | None = 1):
         _set_threads(num_threads)
+        shards, replicas = _actors_by_name(shards), _actors_by_name(replicas)
         self._state_lock = threading.Lock()  # replica choice, in-flight counts, call count
         self._encode_lock = threading.RLock()  # the embedder (and its lazy load): one thread at a time
         base = Retriever.load(index_dir, verify=False)
@@ -199,22 +215,26 @@ def start_retrieval_service(index_dir: str, *, num_replicas: int = 1, replica_pe
 
     meta = json.loads((Path(index_dir) / "dense" / "dense.json").read_text(encoding="utf-8"))
     n_shards = int(meta["config"]["shards"])
+    prefix = f"raggym-retrieval-{uuid.uuid4().hex[:12]}"  # the service finds its shards and replicas by name
     Shard = ray.remote(num_cpus=shard_cpus, resources=dict(shard_resources or {}), **RESTARTS)(IndexShard)
-    shards = [Shard.remote(str(index_dir), s) for s in range(n_shards)]
+    shard_names = [f"{prefix}-shard-{s}" for s in range(n_shards)]
+    shards = [Shard.options(name=n).remote(str(index_dir), s) for s, n in enumerate(shard_names)]
     has_graph = json.loads((Path(index_dir) / "manifest.json").read_text(encoding="utf-8")).get("has_graph")
     replicas = []
     if has_graph:
         Replica = ray.remote(num_cpus=replica_cpus, num_gpus=replica_gpus, **RESTARTS)(replica_class or GraphReplica)
         device = "cuda" if replica_gpus > 0 else "cpu"
         if replica_per_node:
-            for node in [n for n in ray.nodes() if n.get("Alive")]:
-                strategy = NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
-                replicas.append(Replica.options(scheduling_strategy=strategy).remote(str(index_dir), device))
+            placements = [{"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)}
+                          for node in ray.nodes() if node.get("Alive")]
         else:
-            replicas = [Replica.remote(str(index_dir), device) for _ in range(num_replicas)]
+            placements = [{} for _ in range(num_replicas)]
+        replicas = [Replica.options(name=f"{prefix}-replica-{r}", **where).remote(str(index_dir), device)
+                    for r, where in enumerate(placements)]
     Service = ray.remote(num_cpus=service_cpus, max_concurrency=SERVICE_CONCURRENCY, **RESTARTS)(RetrievalService)
     opts = {"name": name} if name else {}
-    service = Service.options(**opts).remote(str(index_dir), shards, replicas, routing)
+    replica_names = [f"{prefix}-replica-{r}" for r in range(len(replicas))]
+    service = Service.options(**opts).remote(str(index_dir), shard_names, replica_names, routing)
     return service, shards, replicas
 
 

@@ -128,6 +128,15 @@ def learner_config(cfg) -> dict:
     return learner
 
 
+def score_probe_on_ray(learners, workers: Sequence, ids, chosen: Sequence[int]) -> tuple[list[float], list[list[float]]]:
+    """A ``SyncVerifier``'s scores on Ray: the learner group's and the ``chosen`` rollout workers'
+    log-probs of the probe ``ids``, computed side by side."""
+    learner = learners.score_probe_async(ids)
+    engines = [workers[i].score_prompt_async.remote(ids) for i in chosen]
+    scores = get_all([*learner, *engines], what="the weight-sync probe")
+    return scores[0], scores[len(learner):]
+
+
 def sync_verifier(cfg, tokenizer, score, engine_dtype: str | None, num_workers: int) -> SyncVerifier | None:
     """The run's ``SyncVerifier`` (``rollout.verify_sync``), its baseline taken: ``None`` when the
     verification is off. ``score(ids, workers)`` is the runtime's (``SyncVerifier``)."""
@@ -362,11 +371,7 @@ class RayRuntime:
             self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, engine_dtype, len(self.workers))
 
     def _score_probe(self, ids, workers) -> tuple[list[float], list[list[float]]]:
-        """The learners' and the listed workers' probe log-probs, computed side by side."""
-        learner = self.learners.score_probe_async(ids)
-        engines = [self.workers[i].score_prompt_async.remote(ids) for i in workers]
-        scores = get_all([*learner, *engines], what="the weight-sync probe")
-        return scores[0], scores[len(learner):]
+        return score_probe_on_ray(self.learners, self.workers, ids, workers)
 
     def runners(self, env_kwargs: dict | None) -> list:
         """The env runners for ``env_kwargs`` (default: ``env.kwargs``), started on first use."""

@@ -58,7 +58,7 @@ def _searches(episodes) -> list[list[tuple]]:
             for episode in episodes for r in episode]
 
 
-def test_killing_a_worker_a_shard_and_the_runner_mid_rollout_loses_nothing(ray_session, sharded_index, small_world, tmp_path):
+def test_killing_a_worker_a_shard_the_runner_and_the_service_mid_rollout_loses_nothing(ray_session, sharded_index, small_world, tmp_path):
     log = tmp_path / "calls.jsonl"
     service, shards, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
     Worker = RolloutWorker.as_remote(num_cpus=0.5, **RESTARTS)
@@ -93,6 +93,12 @@ def test_killing_a_worker_a_shard_and_the_runner_mid_rollout_loses_nothing(ray_s
     assert not ray.wait([pending], timeout=0)[0], "the rollout finished before the runner was killed"
     ray.kill(runner, no_restart=False)
     runner_killed_at = time.time()
+    # 4. the retrieval service dies as the retried rollout starts, before its first searches: they are
+    # retried on the restarted service, which finds its shards and graph replica again by their names
+    _wait_for(lambda: [e for e in _calls(log) if e["event"] == "start" and e["time"] > runner_killed_at],
+              "the retried rollout's first generate call")
+    assert not ray.wait([pending], timeout=0)[0], "the rollout finished before the service was killed"
+    ray.kill(service, no_restart=False)
     result = ray.get(pending, timeout=600)
 
     calls = _calls(log)
@@ -110,7 +116,7 @@ def test_killing_a_worker_a_shard_and_the_runner_mid_rollout_loses_nothing(ray_s
     # each killed actor came back exactly once; nothing else restarted
     assert [_restarts(w) for w in workers] == [1, 0]
     assert [_restarts(s) for s in shards] == [0, 1]
-    assert (_restarts(runner), _restarts(service)) == (1, 0)
+    assert (_restarts(runner), _restarts(service)) == (1, 1)
 
 
 def test_every_search_env_id_is_in_rays_registry_and_steps(sharded_index, small_world, tmp_path):

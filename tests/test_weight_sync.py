@@ -17,6 +17,8 @@ import torch
 
 from actors.engines import RolloutWorker, SamplingParams
 from actors.learner import Learner, LearnerConfig, LearnerGroup, make_train_batch
+from actors.runtime import score_probe_on_ray
+from actors.sync_verify import FP32_TOLERANCE, SyncVerifier, WeightSyncError, probe_token_ids
 from actors.weight_sync import FlatWeights, WeightSyncGroup, layout, pick_free_port
 from ray_world import wait_until_restarted
 from raggym.process_memory import release_freed_memory
@@ -174,7 +176,26 @@ def assert_every_worker_samples_the_learners_policy(cluster, prompts, seed: int,
 
 
 @pytest.fixture(scope="module")
-def first_update(cluster, prompts):
+def verifier(cluster, prompts):
+    """The runtime's sync check over this module's learners and both workers, its baseline taken
+    before any step (every worker and the learners on the initial weights)."""
+    group, workers = cluster["group"], cluster["workers"]
+    check = SyncVerifier(probe_token_ids(prompts[0], 128),
+                         lambda ids, chosen: score_probe_on_ray(group, workers, ids, chosen), tolerance=FP32_TOLERANCE)
+    assert check.baseline(len(workers))["probe_drift_mean"] <= FP32_TOLERANCE
+    return check
+
+
+def assert_sync_verified(verifier, version: int) -> None:
+    """The probe check passes at ``version`` and had something to see: the learners moved the probe
+    ten times the tolerance, so an engine that loaded nothing would have failed it."""
+    checked = verifier.after_sync(version)
+    assert checked["probe_engines"] == 2.0
+    assert checked["probe_learner_moved"] > 10 * FP32_TOLERANCE, checked
+
+
+@pytest.fixture(scope="module")
+def first_update(cluster, prompts, verifier):
     ray, group = cluster["ray"], cluster["group"]
     results, batch = rollout(cluster, prompts, seed=100)
     before = ray.get(group.publish_weights()).state_dict()
@@ -211,18 +232,21 @@ def test_two_learners_take_the_same_step_as_one_learner_on_the_whole_batch(first
         torch.testing.assert_close(delta, ref_delta, atol=1e-2 * scale, rtol=1e-2)
 
 
-def test_object_store_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update):
+def test_object_store_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update, verifier):
     group, workers, ray = cluster["group"], cluster["workers"], cluster["ray"]
     # Before the sync the workers still sample from version 0, which the learners have left.
     stale = group.compute_logprobs(first_update["batch"].token_ids, first_update["batch"].attention_mask)
     assert max_logprob_gap(stale, first_update["batch"]) > 1e-2
+    with pytest.raises(WeightSyncError, match="rollout worker 0 at version 1 did not take"):
+        verifier.verify(1)  # what the run's check says of workers that hold version 0's weights
     report = group.sync_weights(workers)
+    assert_sync_verified(verifier, 1)
     assert report["weight_version"] == 1.0 and report["sync_seconds"] > 0
     assert ray.get([w.weight_version.remote() for w in workers]) == [1, 1]
     assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=200, version=1)
 
 
-def test_collective_gloo_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update):
+def test_collective_gloo_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster, prompts, first_update, verifier):
     group, workers = cluster["group"], cluster["workers"]
     assert group.init_weight_sync(workers, backend="gloo") == 3  # learner rank 0 + two engines
     _, batch = rollout(cluster, prompts, seed=300, worker=1)  # this step trains on vLLM's samples
@@ -231,11 +255,12 @@ def test_collective_gloo_sync_makes_rollout_logprobs_equal_learner_logprobs(clus
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # vLLM sampled the learner's policy
     report = group.broadcast_weights(workers)
     assert report["weight_version"] == 2.0 and report["bytes"] > 100e6
+    assert_sync_verified(verifier, 2)  # a receive that loads nothing fails here
     assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=400, version=2)
 
 
 @pytest.mark.integration  # a vLLM actor killed and rebuilt (engine start and all): ~100 s here
-def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_into_the_group(cluster, prompts):
+def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_into_the_group(cluster, prompts, verifier):
     from actors.engines.rollout_worker import WeightsNotSyncedError
 
     ray, group, workers = cluster["ray"], cluster["group"], cluster["workers"]
@@ -247,7 +272,11 @@ def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_i
     with pytest.raises(WeightsNotSyncedError):
         ray.get(workers[1].generate.remote(prompts[1][:1], SamplingParams(temperature=0.0), (), 4), timeout=300)
     assert ray.get(workers[1].weight_version.remote()) == 0  # its initial weights, not the learners'
+    verifier.restarted([1])
+    with pytest.raises(WeightSyncError, match="worker 1 at version"):  # rebuilt on its initial weights
+        verifier.verify(version, [1])
     assert group.resync_restarted(workers) == [1]
+    assert verifier.verify(version, [1])["probe_learner_moved"] > 10 * FP32_TOLERANCE
     assert ray.get([w.weight_version.remote() for w in workers]) == [version, version]
     assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=500, version=version)
     # the restarted engine lost its rank in the collective group: the group is rebuilt before the next broadcast
