@@ -82,6 +82,7 @@ def _rollout_config(cfg) -> RolloutConfig:
     return RolloutConfig(max_response_tokens=int(ro.max_response_tokens), max_turn_tokens=int(ro.max_turn_tokens),
                          max_observation_tokens=int(ro.max_observation_tokens),
                          max_sequence_tokens=None if sequence is None else int(sequence),
+                         response_budget_counts=str(ro.response_budget_counts),
                          teacher_evidence_tokens=teacher_evidence_tokens(cfg))
 
 

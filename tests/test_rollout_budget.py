@@ -89,11 +89,6 @@ def test_the_counting_rule_is_one_of_the_known_names():
         RolloutConfig(response_budget_counts="observations")
 
 
-# The wiring from the config key to the rollout loop is one keyword in actors/runtime.py's
-# _rollout_config, a file issue #67 may not edit; strict, so that this fails (XPASS) the moment the
-# wiring lands and the marker must go.
-@pytest.mark.xfail(strict=True, reason="actors/runtime.py:_rollout_config does not pass rollout.response_budget_counts "
-                                       "to RolloutConfig yet (issue #67 leaves the one-line wiring to the lead)")
 def test_the_runtime_builds_its_rollout_config_with_the_configured_counting_rule():
     cfg = load_config("experiments/configs/lws_tiny.yaml", ["rollout.response_budget_counts=model_and_observations"])
     assert _rollout_config(cfg).response_budget_counts == "model_and_observations"

@@ -50,7 +50,7 @@ class TrainBatch:
     # the mode entropy bonus (only with the mode_entropy term):
     mode_choice_mask: torch.Tensor | None = None  # [N, T] 1 on the tokens that chose a search's retrieval mode
     # PathRouter's teacher KL (only with the teacher_kl term):
-    teacher_token_ids: torch.Tensor | None = None  # [N, T'] long: gold evidence + the same trajectory
+    teacher_token_ids: torch.Tensor | None = None  # [N, T'] long: the prompt with gold evidence + the same trajectory
     teacher_attention_mask: torch.Tensor | None = None  # [N, T']
     teacher_positions: torch.Tensor | None = None  # [N, T] long: index in the teacher sequence of token t, or −1
     teacher_kl_mask: torch.Tensor | None = None  # [N, T] 1 on think and query tokens (spans.teacher_kl_mask_from_labels)
@@ -183,7 +183,7 @@ def teacher_fields(rollouts: Sequence, pad_token_id: int) -> BatchFields:
     """PathRouter's teacher inputs: the same trajectory behind a prompt that shows the gold evidence.
 
     The teacher prompt is each rollout's recorded ``teacher_prompt_ids`` (the episode's prompt
-    preceded by the gold passages, ``raggym.trajectory.teacher_prompt_ids``); the response tokens
+    with the gold passages appended, ``raggym.trajectory.teacher_prompt_ids``); the response tokens
     are the student's, so student token ``t ≥ prompt_length`` is teacher token
     ``len(teacher prompt) + t − prompt_length``. ``evidence_overlap`` is read from each rollout's
     outcome (computed once there).
