@@ -138,17 +138,17 @@ def score_probe_on_ray(learners, workers: Sequence, ids, chosen: Sequence[int]) 
     return scores[0], scores[len(learner):]
 
 
-def sync_verifier(cfg, tokenizer, score, engine_dtype: str | None, num_workers: int) -> SyncVerifier | None:
+def sync_verifier(cfg, tokenizer, score, dtypes: tuple[str | None, str | None], num_workers: int) -> SyncVerifier | None:
     """The run's ``SyncVerifier`` (``rollout.verify_sync``), its baseline taken: ``None`` when the
-    verification is off. ``score(ids, workers)`` is the runtime's (``SyncVerifier``)."""
+    verification is off. ``score(ids, workers)`` is the runtime's (``SyncVerifier``); ``dtypes`` are
+    the engine's and the learner's as they report them, which set the default tolerance (the looser
+    one as soon as either side runs in a reduced precision)."""
     settings = cfg.rollout.verify_sync
     if int(settings.every) == 0:
         return None
-    learner_dtype = str(cfg.learner.get("dtype", "auto"))
     tolerance = settings.tolerance
-    if tolerance is None:  # the looser bound as soon as either side runs in a reduced precision
-        reduced = max(default_tolerance(engine_dtype), default_tolerance(None if learner_dtype == "auto" else learner_dtype))
-        tolerance = reduced
+    if tolerance is None:
+        tolerance = max(default_tolerance(dtype) for dtype in dtypes)
     verifier = SyncVerifier(probe_token_ids(tokenizer, int(settings.probe_tokens)), score, tolerance=float(tolerance),
                             every=int(settings.every))
     verifier.baseline(num_workers)
@@ -259,7 +259,8 @@ class LocalRuntime(InProcessRollouts):
         self.learners = LocalLearnerGroup(learner_config(cfg)) if with_learners else None
         self.verifier = None
         if with_learners:
-            self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, engine.info().get("dtype"), 1)
+            dtypes = (engine.info().get("dtype"), self.learners.learner.info()["dtype"])
+            self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, dtypes, 1)
 
     def _score_probe(self, ids, workers):
         score = getattr(self.engine, "score_prompt", None)
@@ -368,8 +369,8 @@ class RayRuntime:
         ray.get([w.ping.remote() for w in self.workers] + [x.ping.remote() for x in self.runners(None)])
         self.verifier = None
         if with_learners:
-            engine_dtype = ray.get(self.workers[0].info.remote()).get("dtype")
-            self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, engine_dtype, len(self.workers))
+            dtypes = (ray.get(self.workers[0].info.remote()).get("dtype"), self.learners.infos[0]["dtype"])
+            self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, dtypes, len(self.workers))
 
     def _score_probe(self, ids, workers) -> tuple[list[float], list[list[float]]]:
         return score_probe_on_ray(self.learners, self.workers, ids, workers)

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from actors.sync_verify import (FP32_TOLERANCE, PROBE_TEXT, REDUCED_PRECISION_TOLERANCE, SyncVerifier, WeightSyncError,
                                 default_tolerance, probe_token_ids, read_probe)
+from actors.runtime import sync_verifier
+from experiments.config import load_config
 from raggym.models import load_policy_tokenizer
 
 TOL = 1e-4
@@ -169,3 +171,19 @@ def test_the_probe_is_a_fixed_prefix_of_its_text():
     assert tokenizer.decode(ids) in PROBE_TEXT
     with pytest.raises(ValueError, match="has .* tokens under this tokenizer"):
         probe_token_ids(tokenizer, 10_000)
+
+
+def test_the_run_config_sets_the_verifier_and_either_sides_precision_its_default_tolerance():
+    tokenizer = load_policy_tokenizer("smollm2-135m")
+    flat = lambda ids, workers: ([-1.0] * (len(ids) - 1), [[-1.0] * (len(ids) - 1) for _ in workers])  # noqa: E731
+    cfg = load_config("experiments/configs/cpu_tiny.yaml", ["rollout.verify_sync.probe_tokens=32"])
+    verifier = sync_verifier(cfg, tokenizer, flat, ("float32", "torch.float32"), 2)
+    assert (verifier.tolerance, verifier.every, len(verifier.probe_ids)) == (FP32_TOLERANCE, 1, 32)
+    assert sync_verifier(cfg, tokenizer, flat, ("float32", "torch.bfloat16"), 2).tolerance == REDUCED_PRECISION_TOLERANCE
+    assert sync_verifier(cfg, tokenizer, flat, ("bfloat16", "torch.float32"), 2).tolerance == REDUCED_PRECISION_TOLERANCE
+    tuned = load_config("experiments/configs/cpu_tiny.yaml", ["rollout.verify_sync.tolerance=0.002",
+                                                              "rollout.verify_sync.every=4"])
+    assert (sync_verifier(tuned, tokenizer, flat, ("bfloat16", None), 1).tolerance,
+            sync_verifier(tuned, tokenizer, flat, ("bfloat16", None), 1).every) == (0.002, 4)
+    off = load_config("experiments/configs/cpu_tiny.yaml", ["rollout.verify_sync.every=0"])
+    assert sync_verifier(off, tokenizer, flat, ("float32", None), 1) is None

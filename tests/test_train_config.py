@@ -116,3 +116,11 @@ def test_a_reward_value_its_config_refuses_fails_at_load_not_at_train_start():
     assert _problems(["reward.time_source=minutes"]) == [
         "  override: reward: time_source must be one of seconds, cost, got 'minutes'"]
     assert load_config("experiments/configs/cpu_tiny.yaml", ["reward.time_source=cost"]).reward.time_source == "cost"
+
+
+def test_the_sync_check_settings_are_validated():
+    problems = _problems(["rollout.verify_sync.every=-1", "rollout.verify_sync.tolerance=0",
+                          "rollout.verify_sync.probe_tokens=1"])
+    assert any("rollout.verify_sync.every" in p and "non-negative" in p for p in problems), problems
+    assert any("rollout.verify_sync.tolerance" in p and "positive" in p for p in problems), problems
+    assert any("rollout.verify_sync.probe_tokens" in p and "at least 2" in p for p in problems), problems
