@@ -66,6 +66,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -75,7 +76,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.cluster import init_ray
-from experiments.evaluate import cost_regret, evaluate, resolve_policy, router_cost
+from experiments.evaluate import (cost_regret, evaluate, last_snapshots, last_snapshots_text, resolve_policy,
+                                 router_cost)
 from experiments.report import read_jsonl
 from experiments.sft import LR_SCHEDULES, balanced_order, golden_examples, grouped_order, run_sft
 from raggym.atomic import atomic_write_json, atomic_write_text
@@ -97,6 +99,7 @@ GRAPH_MODES = ("graph", "hybrid")  # searches that use graph retrieval
 # search finds at about 1/140 of a graph search's cost.
 RIGHT_ROUTE = {"graph_only": "graph", "direct": "passage"}  # as ``first_route`` names them
 STAGES = ("after SFT", "after stage 1", "after stage 2")
+CONTROL_STAGE = "after control"  # issue #64's EM-only control, beside stage 2 (``control_overrides``)
 
 
 def _say(msg: str) -> None:
@@ -552,6 +555,15 @@ class SeedSettings:
     # extra key=value for stage 2 only (issue #64's trainer options for stage 2, e.g.
     # learner.loss.mode_entropy_coef=0.1); they apply from stage 2's first step, stage 1 trains without them
     stage2_overrides: tuple = ()
+    # held-out questions of each type whose golden prefix is read at the mode slot (``mode_probes``);
+    # issue #64's routing accuracy per type reads it, so a balanced held-out of 48 + 48 wants 48
+    probes_per_type: int = 16
+    # issue #64: evaluate the policy (greedy, with the mode slot read) after every this many stage-2
+    # steps, and after its last step; 0: at the stage's end only (``snapshot_steps``)
+    snapshot_every: int = 0
+    # issue #64: a second branch from stage 1's checkpoint, as long as stage 2, rewarded with EM only
+    # (``control_overrides``), with the same snapshots, in ``<seed>/control``
+    em_only_control: bool = False
 
 
 def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, seed: int, out_dir: Path,
@@ -574,7 +586,7 @@ def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, se
 
 def empty_progress() -> dict:
     """A seed's parts before any is done (``SeedProgress``)."""
-    return {"sft": None, "evaluations": {}, "sampled_evaluations": {}, "results": {}, "seconds": {}}
+    return {"sft": None, "evaluations": {}, "sampled_evaluations": {}, "results": {}, "seconds": {}, "snapshots": {}}
 
 
 class SeedStopped(Exception):
@@ -627,22 +639,30 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     With ``s.sft_from``, SFT is read from that earlier run's seed instead (``reused_sft``; its
     ``task_key`` must match the earlier seed's task settings). ``resumable``: record each finished
     part in ``SeedProgress`` and skip what an earlier invocation finished. ``stop_at``: a
-    ``time.time()`` after which the seed stops at its next step or part boundary (``SeedStopped``)."""
+    ``time.time()`` after which the seed stops at its next step or part boundary (``SeedStopped``).
+
+    Issue #64: with ``s.snapshot_every``, stage 2 trains in pieces of that many steps and the
+    policy is evaluated greedily after each (``snapshot_steps``; the last is the stage's own
+    evaluation); with ``s.em_only_control``, an EM-only branch from stage 1's last checkpoint
+    follows, as long as stage 2, with the same snapshots (``control_overrides``). Each snapshot
+    is a part: recorded in progress.json once evaluated, never redone."""
     from experiments.config import load_config  # torch: on use (see the imports)
     from experiments.train import open_runtime, train  # torch: on use (see the imports)
+    from experiments.training import latest_checkpoint  # torch: on use (see the imports)
 
     progress = SeedProgress(out, seed_settings_key(s, task_key or {})) if resumable else None
     done = progress.state if progress else empty_progress()
     evals, sampled, results, timings = done["evaluations"], done["sampled_evaluations"], done["results"], done["seconds"]
+    snapshots = done.setdefault("snapshots", {})  # {branch: {stage-2 step as text: evaluation}}
 
     sitting = {"finished": 0}  # parts finished in this invocation
 
-    def finished(part: str, seconds: float | None = None) -> None:
+    def finished(part: str, seconds: float | None = None, progressed: bool = True) -> None:
         if seconds is not None:
             timings[part] = round(seconds, 1)
         if progress:
             progress.save()
-        sitting["finished"] += 1
+        sitting["finished"] += progressed
 
     def unless_time_is_up(part: str) -> None:
         # a sitting finishes at least one part (or RL step) before it stops: every sitting progresses
@@ -662,22 +682,26 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
             done["sft"] = format_only_sft(task, retriever, tokenizer, s, seed, out / "sft", eval_kwargs, show_progress)
         finished("sft", None if s.sft_from else time.perf_counter() - t0)
     sft = done["sft"]
-    probes = mode_probes(task, retriever, tokenizer, eval_kwargs)
+    probes = mode_probes(task, retriever, tokenizer, eval_kwargs, per_type=s.probes_per_type)
 
-    def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
-        if stage in evals:  # evaluated in an earlier sitting
-            return
-        unless_time_is_up(f"the evaluation {stage}")
-        t = time.perf_counter()
+    def greedy_evaluation(policy_dir: str, folder: str) -> tuple[dict, dict]:
         # The logit-read mode choice beside the greedy evaluation: it moves with every update,
         # where greedy decoding shows a preference only once it crosses one half. It is computed
         # in this process while the engine generates the evaluation's episodes, on one thread:
         # the engine computes on a core of its own, and this process would otherwise wait.
         with preference_threads(1), ThreadPoolExecutor(1) as pool:
             preference = pool.submit(preference_by_type, policy_dir, tokenizer, probes)
-            evaluation, results[stage] = evaluate_policy(policy_dir, task, out / "eval" / folder,
-                                                         {**eval_kwargs, "seed": seed}, runtime=runtime)
+            evaluation, result = evaluate_policy(policy_dir, task, out / "eval" / folder, {**eval_kwargs, "seed": seed},
+                                                 runtime=runtime)
             add_preference(evaluation, preference.result())
+        return evaluation, result
+
+    def evaluate_stage(stage: str, policy_dir: str, folder: str) -> None:
+        if stage in evals:  # evaluated in an earlier sitting
+            return
+        unless_time_is_up(f"the evaluation {stage}")
+        t = time.perf_counter()
+        evaluation, results[stage] = greedy_evaluation(policy_dir, folder)
         if s.eval_samples > 0:
             sampled[stage], _ = evaluate_policy(policy_dir, task, out / "eval" / f"{folder}_sampled",
                                                 {**eval_kwargs, "seed": seed, "temperature": s.eval_temperature},
@@ -685,7 +709,22 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
         evals[stage] = evaluation  # last: a stage is evaluated once both reads are in
         finished(f"eval_{folder}", time.perf_counter() - t)
 
-    run_dir = out / "grpo"
+    def take_snapshot(branch: str, branch_dir: Path, step: int) -> None:
+        # The engines hold the weights train() has just trained or restored: the branch's latest
+        # checkpoint, which must be this snapshot's step (the mode slot is read from its policy)
+        unless_time_is_up(f"the {branch} snapshot after stage-2 step {step}")
+        checkpoint = latest_checkpoint(branch_dir)
+        if checkpoint is None or checkpoint_step(checkpoint) != s.stage1_steps + step:
+            raise RuntimeError(f"the {branch} snapshot after stage-2 step {step} wants the checkpoint of run step "
+                               f"{s.stage1_steps + step}; {branch_dir} has {checkpoint}")
+        t = time.perf_counter()
+        name = branch.replace(" ", "")
+        snapshots.setdefault(branch, {})[str(step)] = greedy_evaluation(str(checkpoint), f"{name}_step{step:03d}")[0]
+        finished(f"snapshots_{name}", timings.get(f"snapshots_{name}", 0.0) + time.perf_counter() - t)
+
+    run_dir, control_dir = out / "grpo", out / "control"
+    branch_dirs = {"stage 1": run_dir, "stage 2": run_dir, "control": control_dir}
+    schedule = snapshot_steps(s.stage2_steps, s.snapshot_every)
     base = [f"run.out_dir={run_dir}", f"run.seed={seed}", f"policy.model={sft['policy_dir']}",
             f"data.corpus={task.world_dir / 'corpus.jsonl'}", f"data.questions={task.world_dir / 'train_questions.jsonl'}",
             f"data.openie={task.world_dir / 'openie.json'}", f"data.index_dir={task.index_dir}",
@@ -695,7 +734,27 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     if s.lr is not None:
         base.append(f"learner.optimizer.lr={s.lr}")
     base += list(s.overrides)
-    stages = stage_configs(base, s)
+    overrides = stage_overrides(base, s, control_dir if s.em_only_control else None)
+    stages = {stage: load_config(str(RL_CONFIG), o) for stage, o in overrides.items()}
+
+    def train_to(stage: str, cfg) -> None:
+        # Trains the stage to cfg's run.steps, or goes on from its last checkpoint; a stage trained
+        # that far in an earlier sitting is only restored, so that the engines hold its weights.
+        nonlocal runtime
+        unless_time_is_up(stage)
+        t0 = time.perf_counter()
+        if runtime_differs(runtime.cfg, cfg):  # e.g. stage 2's own learner.loss: the learners are built with it
+            runtime.shutdown()
+            runtime = open_runtime(cfg)  # train() restores the checkpoint into it and syncs the engines
+        last = train(cfg, runtime=runtime, stop_at=stop_at)
+        name = stage.replace(" ", "")
+        timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 1)  # over the sittings
+        # a restore that trained no step is no progress: counted as one, a sitting whose time is up
+        # would restore and stop before the part after it, again in every sitting
+        finished(stage, progressed=bool(last))
+        if last.get("stopped_early"):
+            raise SeedStopped(f"seed {seed} stopped in {stage}, after step {last['step']}")
+
     # One runtime (rollout engine, learner group, retrieval) for every stage and evaluation: a
     # vLLM engine start costs 20-40 s here, and the engine holds the latest weights already. A
     # stage 2 whose overrides change what the runtime was built from gets a runtime of its own.
@@ -706,43 +765,142 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
     try:
         evaluate_stage("after SFT", sft["policy_dir"], "sft")
         for stage, cfg in stages.items():
-            name = stage.replace(" ", "")
             if f"after {stage}" in evals:  # trained and evaluated in an earlier sitting
                 continue
-            # Trains the stage, or goes on from its last checkpoint; a stage trained to its end in
-            # an earlier sitting is only restored, so that the engines hold its weights to evaluate.
-            unless_time_is_up(stage)
-            t0 = time.perf_counter()
-            if runtime_differs(runtime.cfg, cfg):  # e.g. stage 2's own learner.loss: the learners are built with it
-                runtime.shutdown()
-                runtime = open_runtime(cfg)  # train() restores the checkpoint into it and syncs the engines
-            last = train(cfg, runtime=runtime, stop_at=stop_at)
-            timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 1)  # over the sittings
-            finished(stage)
-            if last.get("stopped_early"):
-                raise SeedStopped(f"seed {seed} stopped in {stage}, after step {last['step']}")
-            evaluate_stage(f"after {stage}", str(run_dir), name)
+            if stage == "stage 2" and s.em_only_control:  # before stage 2's checkpoints prune stage 1's
+                fork_checkpoint(run_dir, control_dir, s.stage1_steps)
+            if stage != "stage 1":  # stage 2 and the control: in pieces, a snapshot after each
+                for step in pending_snapshots(schedule, snapshots.get(stage, {})):
+                    train_to(stage, load_config(str(RL_CONFIG), [*overrides[stage], f"run.steps={s.stage1_steps + step}"]))
+                    take_snapshot(stage, branch_dirs[stage], step)
+            train_to(stage, cfg)
+            evaluate_stage(f"after {stage}", str(branch_dirs[stage]), stage.replace(" ", ""))
     finally:
         runtime.shutdown()
-    return {"seed": seed, "evaluations": evals, "sampled_evaluations": sampled, "results": results,
-            "curves": training_curves(run_dir / "trajectories", task.kinds),
-            "train_metrics": read_jsonl(run_dir / "metrics.jsonl"),
-            "rollout_engine": load_config(str(RL_CONFIG), list(s.overrides)).rollout.engine,
-            "sft": {**{k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
-                    **({"policy_dir": sft["policy_dir"]} if s.sft_from else {})},
-            "seconds": timings}
+    run = {"seed": seed, "evaluations": evals, "sampled_evaluations": sampled, "results": results,
+           "curves": training_curves(run_dir / "trajectories", task.kinds),
+           "train_metrics": read_jsonl(run_dir / "metrics.jsonl"),
+           "rollout_engine": load_config(str(RL_CONFIG), list(s.overrides)).rollout.engine,
+           "sft": {**{k: sft[k] for k in ("examples", "steps", "loss_first", "loss_last")},
+                   **({"policy_dir": sft["policy_dir"]} if s.sft_from else {})},
+           "seconds": timings}
+    if schedule:  # only then: the demo's seed report stays as it was
+        run["snapshots"] = seed_snapshots(done, schedule, s.stage1_steps)
+    if s.em_only_control:
+        run["control_curves"] = training_curves(control_dir / "trajectories", task.kinds)
+        run["control_train_metrics"] = read_jsonl(control_dir / "metrics.jsonl")
+    return run
 
 
-def stage_configs(base: list[str], s: SeedSettings) -> dict:
-    """Each RL stage's config: routing_grpo.yaml with the seed's ``base`` overrides; stage 2 adds
-    ``s.stage2_overrides`` (its own trainer options, e.g. a lower ``learner.loss.mode_entropy_coef``).
-    Stage 2 resumes stage 1's run (learner, optimizer and sampler state) and goes on to
-    ``stage1_steps + stage2_steps`` steps; its reward switches at ``reward.stage2_start``."""
+SNAPSHOT_BRANCHES = ("stage 2", "control")
+
+
+def seed_snapshots(progress: dict, schedule: list[int], stage1_steps: int) -> dict[str, list[dict]]:
+    """A seed's snapshots so far per branch (``SNAPSHOT_BRANCHES``), oldest first, each
+    ``{"step", "run_step", "evaluation"}`` (``step`` counted from stage 2's first): the ones
+    progress.json (``SeedProgress``'s state) holds, and the last, which is the branch's stage-end
+    evaluation (``"after stage 2"``, ``"after control"``) once that is in."""
+    out = {}
+    for branch in SNAPSHOT_BRANCHES:
+        taken = {int(step): evaluation for step, evaluation in (progress.get("snapshots") or {}).get(branch, {}).items()}
+        end = progress.get("evaluations", {}).get(f"after {branch}")
+        if schedule and end is not None:
+            taken[schedule[-1]] = end
+        if taken:
+            out[branch] = [{"step": step, "run_step": stage1_steps + step, "evaluation": taken[step]} for step in sorted(taken)]
+    return out
+
+
+def stage_configs(base: list[str], s: SeedSettings, control_dir: Path | None = None) -> dict:
+    """Each RL stage's config: routing_grpo.yaml with ``stage_overrides`` (``"control"`` too when
+    ``control_dir`` is given)."""
     from experiments.config import load_config  # torch: on use (see the imports)
 
+    return {stage: load_config(str(RL_CONFIG), overrides) for stage, overrides in stage_overrides(base, s, control_dir).items()}
+
+
+def stage_overrides(base: list[str], s: SeedSettings, control_dir: Path | None = None) -> dict[str, list[str]]:
+    """Each RL stage's overrides of routing_grpo.yaml: the seed's ``base`` ones; stage 2 adds
+    ``s.stage2_overrides`` (its own trainer options, e.g. a lower ``learner.loss.mode_entropy_coef``).
+    Stage 2 resumes stage 1's run (learner, optimizer and sampler state) and goes on to
+    ``stage1_steps + stage2_steps`` steps; its reward switches at ``reward.stage2_start``.
+    With ``control_dir``, also ``"control"``: ``control_overrides`` in that folder."""
     total = s.stage1_steps + s.stage2_steps
-    return {"stage 1": load_config(str(RL_CONFIG), [*base, f"run.steps={s.stage1_steps}", "run.resume=true"]),
-            "stage 2": load_config(str(RL_CONFIG), [*base, *s.stage2_overrides, f"run.steps={total}", "run.resume=true"])}
+    stages = {"stage 1": [*base, f"run.steps={s.stage1_steps}", "run.resume=true"],
+              "stage 2": [*base, *s.stage2_overrides, f"run.steps={total}", "run.resume=true"]}
+    if control_dir is not None:
+        stages["control"] = control_overrides(base, s, control_dir)
+    return stages
+
+
+# The control's reward is stage 1's: every RouteRAG reward key but stage2_start shapes only the
+# efficiency term (time_source, max_scaled_time, scale_percentile, temperature), so a stage-2
+# override under it has nothing to act on in the control, and one of stage2_start would start the
+# efficiency stage the control exists to leave out.
+CONTROL_LEAVES_OUT = "reward."
+
+
+def control_overrides(base: list[str], s: SeedSettings, control_dir: Path) -> list[str]:
+    """The EM-only control's overrides (issue #64): stage 2's, in a run folder of its own
+    (``control_dir``, which starts from a copy of stage 1's last checkpoint, ``fork_checkpoint``),
+    as many steps, with the efficiency stage never starting (``reward.stage2_start`` at the run's
+    last step: RouteRAG's stage-1 reward, EM, throughout). Stage 2's own overrides apply too, but
+    for the reward ones (``CONTROL_LEAVES_OUT``): the trainer options (balanced batches, the
+    mode-slot PG term, the mode-entropy coefficient) are the same on both branches, so that stage 2
+    minus the control is the efficiency reward's effect, read from the same checkpoint, the same
+    prompt batches (the sampler state comes with the checkpoint) and the same sampling seeds."""
+    total = s.stage1_steps + s.stage2_steps
+    kept = [o for o in s.stage2_overrides if not o.strip().startswith(CONTROL_LEAVES_OUT)]
+    return [*base, *kept, f"run.steps={total}", "run.resume=true", f"reward.stage2_start={total}",
+            f"run.out_dir={control_dir}"]
+
+
+def snapshot_steps(stage2_steps: int, every: int) -> list[int]:
+    """The stage-2 steps (counted from stage 2's first) after which a branch is evaluated: every
+    ``every``-th, and the last (its stage-end evaluation); [] when ``every`` is 0 (off)."""
+    if every < 0 or stage2_steps < 0:
+        raise ValueError(f"snapshot_every and stage2_steps must be non-negative, got {every} and {stage2_steps}")
+    if every == 0 or stage2_steps == 0:
+        return []
+    return sorted({*range(every, stage2_steps + 1, every), stage2_steps})
+
+
+def pending_snapshots(schedule: list[int], taken: dict) -> list[int]:
+    """The steps of ``schedule`` before its last (the stage-end evaluation) that ``taken`` (a
+    branch's snapshots so far, keyed by the step as text, as progress.json holds them) lacks."""
+    return [step for step in schedule[:-1] if str(step) not in taken]
+
+
+def fork_checkpoint(run_dir: Path, branch_dir: Path, step: int) -> Path:
+    """``branch_dir``'s checkpoint to start from: a copy of ``run_dir``'s committed checkpoint at
+    ``step`` (hard links where the filesystem allows: a checkpoint's files are never rewritten),
+    made once; a branch that has a checkpoint already keeps it. Called before stage 2 trains, as
+    ``run.keep_checkpoints`` prunes stage 1's last checkpoint once stage 2 saves its own."""
+    from experiments.training import CHECKPOINT_MARKER, latest_checkpoint  # torch: on use (see the imports)
+
+    if (branch_dir / "checkpoints").is_dir() and latest_checkpoint(branch_dir) is not None:
+        return Path(latest_checkpoint(branch_dir))
+    source = run_dir / "checkpoints" / f"step-{step:06d}"
+    if not (source / CHECKPOINT_MARKER).is_file():
+        raise ValueError(f"{source} holds no committed checkpoint to start {branch_dir} from")
+    final = branch_dir / "checkpoints" / source.name
+    staging = final.with_name(f".tmp-{source.name}")  # latest_checkpoint sees only step-* folders
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging, copy_function=_link_or_copy)
+    os.replace(staging, final)
+    return final
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(source, target)
+
+
+def checkpoint_step(checkpoint) -> int:
+    """The step of a checkpoint folder ``.../step-NNNNNN``."""
+    return int(Path(str(checkpoint)).name.split("-", 1)[1])
 
 
 # What a runtime's actors are built from: a stage that asks for other values needs its own runtime
@@ -780,7 +938,7 @@ def summarise(seed_runs: list[dict], key: str = "evaluations") -> dict:
     table: dict = {}
     if not all(r.get(key) for r in seed_runs):
         return table
-    for stage in STAGES:
+    for stage in (*STAGES, *(CONTROL_STAGE,) * (CONTROL_STAGE in seed_runs[0][key])):
         for kind in seed_runs[0][key][stage]:
             for metric in METRICS:
                 values = [r[key][stage][kind].get(metric) for r in seed_runs]
@@ -919,6 +1077,7 @@ def markdown(report: dict) -> str:
             lines += ["", f"## {title}", ""]
             lines += [f"- {t['name']}: {_number(t['value'])} vs {t['target']} -> {'met' if t['met'] else 'NOT met'}"
                       for t in report[key]]
+    lines += issue64_markdown(report)
     lines += ["", "![curves](plots/routing_curves.png)", ""]
     return "\n".join(lines)
 
@@ -967,6 +1126,182 @@ def routing_targets(table: dict, decoding: str = "greedy") -> list[dict]:
                     "target": ">= stage 1's lowest seed" + (f" {lowest:.3f}" if lowest is not None else ""),
                     "met": em2 is not None and lowest is not None and em2 >= lowest})
     return [{**t, "name": f"{t['name']} ({decoding})"} for t in entries]
+
+
+# ----------------------------------------------------------------------------- issue #64: snapshots, control, targets
+
+SNAPSHOT_COUNT = 3  # a headline figure is the mean of a branch's last 3 snapshots (``last_snapshots``)
+# Issue #64's targets, fixed before any run (its "Targets"): on the greedy held-out snapshots
+COST_REGRET_TARGET = 0.2  # cost regret against the perfect router, at most
+COST_RATIO_VS_CONTROL = 0.7  # stage 2's cost per question at least 30 % below the EM-only control's
+
+
+def snapshot_figures(evaluation: dict, reference: dict[str, float]) -> dict[str, float | None]:
+    """One snapshot's figures (``evaluate_stage``'s greedy evaluation with the mode slot read):
+    routing accuracy at the mode slot and EM per question type, EM over all, cost per question and
+    its ``cost_regret`` against ``reference_router_costs``; None where the evaluation lacks one."""
+    figures = {f"routing_accuracy/{kind}": evaluation.get(kind, {}).get("routing_accuracy") for kind in RIGHT_ROUTE}
+    figures.update({f"em/{kind}": evaluation.get(kind, {}).get("em") for kind in (*RIGHT_ROUTE, "all")})
+    cost = evaluation.get("all", {}).get("cost_per_question")
+    figures["cost_per_question"] = cost
+    figures["cost_regret"] = None if cost is None else cost_regret(cost, reference["perfect"], reference["always_graph"])
+    return figures
+
+
+def branch_headlines(snapshots: list[dict], reference: dict[str, float], count: int = SNAPSHOT_COUNT) -> dict:
+    """Per figure (``snapshot_figures``), ``last_snapshots`` of one seed's branch: the mean of its
+    last ``count`` snapshots (``{"step", "evaluation"}``), each shown."""
+    rows = [(snap["step"], snapshot_figures(snap["evaluation"], reference)) for snap in snapshots]
+    names = rows[0][1] if rows else {}
+    return {name: last_snapshots([(step, figures[name]) for step, figures in rows], count) for name in names}
+
+
+def headlines_over_seeds(seed_runs: list[dict], branch: str, reference: dict[str, float],
+                         count: int = SNAPSHOT_COUNT) -> dict:
+    """Per figure, over the seeds that have ``branch``'s snapshots: the mean of their headline
+    values (``branch_headlines``), min, max, ``spread`` (max − min; None with one seed: a spread
+    cannot be read from one) and each seed's ``last_snapshots``. A mean is None when a seed's is."""
+    per_seed = [(run["seed"], branch_headlines(run["snapshots"][branch], reference, count))
+                for run in seed_runs if (run.get("snapshots") or {}).get(branch)]
+    out = {}
+    for name in (per_seed[0][1] if per_seed else {}):
+        values = [heads[name]["mean"] for _, heads in per_seed]
+        known = None not in values
+        out[name] = {"mean": statistics.fmean(values) if known else None,
+                     "min": min(values) if known else None, "max": max(values) if known else None,
+                     "spread": max(values) - min(values) if known and len(values) > 1 else None,
+                     "seeds": [seed for seed, _ in per_seed], "per_seed": [heads[name] for _, heads in per_seed]}
+    return out
+
+
+def stage2_effect(headlines: dict) -> dict:
+    """Per figure: stage 2's headline, the EM-only control's, and stage 2 minus the control (the
+    mean over the seeds that have both of each seed's difference, and each seed's)."""
+    two, control = headlines.get("stage 2") or {}, headlines.get("control") or {}
+    out = {}
+    for name in two:
+        if name not in control:
+            continue
+        paired = dict(zip(control[name]["seeds"], (h["mean"] for h in control[name]["per_seed"])))
+        differences = [None if a is None or paired[seed] is None else a - paired[seed]
+                       for seed, a in zip(two[name]["seeds"], (h["mean"] for h in two[name]["per_seed"])) if seed in paired]
+        out[name] = {"stage 2": two[name]["mean"], "control": control[name]["mean"],
+                     "difference": statistics.fmean(differences) if differences and None not in differences else None,
+                     "per_seed": differences}
+    return out
+
+
+def issue64_targets(headlines: dict) -> list[dict]:
+    """Issue #64's targets from the headline figures over seeds (``headlines_over_seeds`` of
+    ``"stage 2"`` and ``"control"``), each with its value and ``met``: True, False, or None when
+    it cannot be decided (``note`` says why: no control; one seed, whose spread is unavailable).
+    A value the run lacks is not met.
+
+    - routing accuracy at the mode slot >= ``ROUTING_ACCURACY_TARGET`` on each type;
+    - cost regret against the perfect router <= ``COST_REGRET_TARGET``;
+    - ``graph_only`` EM and ``direct`` EM each >= the control's minus the control's seed spread
+      (max − min of its seeds' headline values);
+    - stage 2's cost per question <= ``COST_RATIO_VS_CONTROL`` x the control's (30 % below it).
+    """
+    two, control = headlines.get("stage 2") or {}, headlines.get("control") or {}
+
+    def mean(heads, name):
+        return (heads.get(name) or {}).get("mean")
+
+    entries = []
+    for kind in RIGHT_ROUTE:
+        value = mean(two, f"routing_accuracy/{kind}")
+        entries.append({"name": f"routing accuracy at the mode slot, {kind}", "value": value,
+                        "target": f">= {ROUTING_ACCURACY_TARGET}",
+                        "met": value is not None and value >= ROUTING_ACCURACY_TARGET})
+    regret = mean(two, "cost_regret")
+    entries.append({"name": "cost regret against the perfect router", "value": regret,
+                    "target": f"<= {COST_REGRET_TARGET}", "met": regret is not None and regret <= COST_REGRET_TARGET})
+    for kind in RIGHT_ROUTE:
+        value, reference = mean(two, f"em/{kind}"), control.get(f"em/{kind}") or {}
+        entry = {"name": f"{kind} EM, stage 2 vs the EM-only control", "value": value,
+                 "target": ">= the control's mean − the control's seed spread"}
+        if not reference:
+            entry.update(met=None, note="no EM-only control in this run (--em-only-control)")
+        elif reference["mean"] is None or value is None:
+            entry.update(met=False, note="a figure is missing")
+        elif reference["spread"] is None:
+            entry.update(met=None, control=reference["mean"],
+                         note=f"spread unavailable ({len(reference['seeds'])} seed); "
+                              f"stage 2 − control = {value - reference['mean']:+.3f}")
+        else:
+            threshold = reference["mean"] - reference["spread"]
+            entry.update(met=value >= threshold, control=reference["mean"], spread=reference["spread"],
+                         threshold=threshold, target=f">= {reference['mean']:.3f} − {reference['spread']:.3f} = {threshold:.3f}")
+        entries.append(entry)
+    cost, reference_cost = mean(two, "cost_per_question"), mean(control, "cost_per_question")
+    entry = {"name": "cost per question, stage 2 / the EM-only control", "target": f"<= {COST_RATIO_VS_CONTROL} (30 % below)"}
+    if not control:
+        entry.update(value=None, met=None, note="no EM-only control in this run (--em-only-control)")
+    else:
+        ratio = cost / reference_cost if cost is not None and reference_cost else None
+        entry.update(value=ratio, met=ratio is not None and ratio <= COST_RATIO_VS_CONTROL)
+    entries.append(entry)
+    return entries
+
+
+def target_line(target: dict) -> str:
+    """A target as report.md lists it: met, NOT met, or undecided with the reason."""
+    verdict = {True: "met", False: "NOT met", None: "undecided"}[target["met"]]
+    note = f" ({target['note']})" if target.get("note") else ""
+    return f"- {target['name']}: {_number(target['value'])} vs {target['target']} -> {verdict}{note}"
+
+
+SNAPSHOT_COLUMNS = (("routing_accuracy/graph_only", "routing acc. `graph_only`", ".3f"),
+                    ("routing_accuracy/direct", "routing acc. `direct`", ".3f"), ("em/graph_only", "EM `graph_only`", ".3f"),
+                    ("em/direct", "EM `direct`", ".3f"), ("cost_per_question", "cost / q", ",.0f"),
+                    ("cost_regret", "cost regret", ".3f"))
+
+
+def snapshots_markdown(seed_snapshots_by_seed: list[tuple[int, dict]], reference: dict[str, float] | None) -> list[str]:
+    """Every snapshot of every seed and branch as a table (``reference``: the reference routers'
+    costs; without it, e.g. in ``--show-progress``, no cost regret)."""
+    columns = [c for c in SNAPSHOT_COLUMNS if reference is not None or c[0] != "cost_regret"]
+    lines = ["| seed | branch | stage-2 step | " + " | ".join(title for _, title, _ in columns) + " |",
+             "|---" * (3 + len(columns)) + "|"]
+    unknown = {"perfect": 0.0, "always_graph": 0.0}  # cost_regret is None over a zero span
+    for seed, branches in seed_snapshots_by_seed:
+        for branch, snaps in branches.items():
+            for snap in snaps:
+                figures = snapshot_figures(snap["evaluation"], reference or unknown)
+                lines.append(f"| {seed} | {branch} | {snap['step']} | "
+                             + " | ".join(_number(figures[name], spec) for name, _, spec in columns) + " |")
+    return lines
+
+
+def issue64_markdown(report: dict) -> list[str]:
+    """report.md's issue #64 sections: every snapshot, the headline figures (stage 2, the control,
+    their difference) and the targets; none for a report without snapshots."""
+    if not report.get("snapshot_every"):
+        return []
+    lines = ["", f"## Snapshots (greedy, held-out; every {report['snapshot_every']} stage-2 steps and the last)", ""]
+    lines += snapshots_markdown([(run["seed"], run.get("snapshots") or {}) for run in report.get("seed_runs", [])],
+                                report.get("reference_router_costs"))
+    headlines, effect = report.get("headlines") or {}, report.get("stage2_effect") or {}
+    lines += ["", f"## Headline figures: the mean of the last {SNAPSHOT_COUNT} snapshots (mean over seeds [min, max])", "",
+              "| figure | stage 2 | EM-only control | stage 2 − control |", "|---|---|---|---|"]
+
+    def cell(h):
+        if not h or h["mean"] is None:
+            return "n/a"
+        return _number(h["mean"]) + (f" [{_number(h['min'])}, {_number(h['max'])}]" if len(h["seeds"]) > 1 else "")
+
+    for name in (headlines.get("stage 2") or {}):
+        lines.append(f"| {name} | {cell(headlines['stage 2'][name])} | {cell((headlines.get('control') or {}).get(name))} | "
+                     f"{_number((effect.get(name) or {}).get('difference'), '+.3f')} |")
+    lines += ["", "Each seed's headline figures, with the snapshots they average:", ""]
+    for branch, heads in headlines.items():
+        for name, h in heads.items():
+            lines += [f"- {branch}, {name}, seed {seed}: {last_snapshots_text(summary)}"
+                      for seed, summary in zip(h["seeds"], h["per_seed"])]
+    lines += ["", "## Targets (issue #64: stage 2 earns its cost cut; fixed before the run)", ""]
+    lines += [target_line(t) for t in report.get("issue64_targets") or []]
+    return lines
 
 
 def _targets(table: dict) -> list[dict]:
@@ -1091,7 +1426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=400)
     p.add_argument("--heldout", type=int, default=64, help="held-out questions evaluated at every stage")
     for name, default in vars(SeedSettings()).items():
-        if name in ("overrides", "stage2_overrides", "lr", "policy"):
+        if name in ("overrides", "stage2_overrides", "lr", "policy", "snapshot_every", "em_only_control"):
             continue
         choices = {"sft_lr_schedule": LR_SCHEDULES, "sft_order": tuple(SFT_ORDERS),
                    "sft_mode_sampling": SFT_MODE_SAMPLING}.get(name)
@@ -1100,6 +1435,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage2-override", dest="stage2_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a key=value of routing_grpo.yaml for stage 2 only (repeat it for more), e.g. "
                         "learner.loss.mode_entropy_coef=0.1")
+    p.add_argument("--snapshot-every", type=int, default=0, metavar="N",
+                   help="evaluate the policy on the held-out questions (greedy, mode slot read) after every N "
+                        "stage-2 steps and after the last; the headline figures are the mean of the last 3")
+    p.add_argument("--em-only-control", action="store_true",
+                   help="for each seed, a second branch from stage 1's last checkpoint, as long as stage 2, rewarded "
+                        "with EM only and otherwise as stage 2 (reward.* stage-2 overrides left out), with the same "
+                        "snapshots, in <seed>/control")
     p.add_argument("--heldout-per-type", type=int, default=0,
                    help="hold out this many questions of each type (48: 48 direct + 48 graph_only), fixed before "
                         "training, instead of --heldout questions drawn regardless of type")
@@ -1133,7 +1475,29 @@ def show_progress(args) -> int:
             print(f"seed {seed}: no RL step yet (neither {report} nor {run_dir / 'metrics.jsonl'} exists)")
             continue
         print(f"seed {seed} ({source}):\n{training_blocks_markdown(rows)}")
+        control = seed_dir / "control"
+        if report.exists() and finished.get("control_curves"):
+            rows = training_blocks(finished["control_curves"], finished["control_train_metrics"], args.stage1_steps, args.block)
+            print(f"seed {seed}, EM-only control ({report}):\n{training_blocks_markdown(rows)}")
+        elif (control / "metrics.jsonl").exists():
+            print(f"seed {seed}, EM-only control ({control}):\n"
+                  + training_blocks_markdown(run_blocks(control, kinds or {}, args.stage1_steps, args.block)))
+        snaps = progress_snapshots(seed_dir, finished if report.exists() else None, args)
+        if snaps:
+            print(f"seed {seed}, snapshots (greedy, held-out):\n" + "\n".join(snapshots_markdown([(seed, snaps)], None)))
     return 0
+
+
+def progress_snapshots(seed_dir: Path, finished: dict | None, args) -> dict:
+    """A seed's snapshots so far (``seed_snapshots``): from its seed report when it is finished,
+    else from its progress.json; {} when it has none."""
+    if finished is not None:
+        return finished.get("snapshots") or {}
+    path = seed_dir / "progress.json"
+    if not path.exists():
+        return {}
+    state = read_seed_report(path)
+    return seed_snapshots(state, snapshot_steps(args.stage2_steps, args.snapshot_every), args.stage1_steps)
 
 
 EVAL_KWARGS = dict(dialect="routerag", max_response_tokens=96, max_turn_tokens=48, top_k=3, retrieval_budget=2,
@@ -1201,6 +1565,11 @@ def run(args) -> dict | None:
               "cost_regret": {"greedy": regret_by_stage(table, costs), "sampled": regret_by_stage(sampled_table, costs)},
               "seed_runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
               "seconds": round(time.perf_counter() - started, 1)}
+    if settings.snapshot_every:  # issue #64's figures, only then: earlier reports keep their keys
+        headlines = {branch: headlines_over_seeds(runs, branch, costs) for branch in SNAPSHOT_BRANCHES
+                     if any((r.get("snapshots") or {}).get(branch) for r in runs)}
+        report.update(snapshot_every=settings.snapshot_every, headlines=headlines, stage2_effect=stage2_effect(headlines),
+                      issue64_targets=issue64_targets(headlines))
     report["plots"] = plot(out, runs, settings.stage1_steps)
     atomic_write_json(out / "report.json", report)
     atomic_write_text(out / "report.md", markdown(report))
