@@ -1258,6 +1258,9 @@ SNAPSHOT_COLUMNS = (("routing_accuracy/graph_only", "routing acc. `graph_only`",
                     ("cost_regret", "cost regret", ".3f"))
 
 
+FIGURE_SPECS = {name: spec for name, _, spec in SNAPSHOT_COLUMNS}
+
+
 def snapshots_markdown(seed_snapshots_by_seed: list[tuple[int, dict]], reference: dict[str, float] | None) -> list[str]:
     """Every snapshot of every seed and branch as a table (``reference``: the reference routers'
     costs; without it, e.g. in ``--show-progress``, no cost regret)."""
@@ -1286,18 +1289,20 @@ def issue64_markdown(report: dict) -> list[str]:
     lines += ["", f"## Headline figures: the mean of the last {SNAPSHOT_COUNT} snapshots (mean over seeds [min, max])", "",
               "| figure | stage 2 | EM-only control | stage 2 − control |", "|---|---|---|---|"]
 
-    def cell(h):
+    def cell(h, spec):
         if not h or h["mean"] is None:
             return "n/a"
-        return _number(h["mean"]) + (f" [{_number(h['min'])}, {_number(h['max'])}]" if len(h["seeds"]) > 1 else "")
+        return _number(h["mean"], spec) + (f" [{_number(h['min'], spec)}, {_number(h['max'], spec)}]" if len(h["seeds"]) > 1 else "")
 
     for name in (headlines.get("stage 2") or {}):
-        lines.append(f"| {name} | {cell(headlines['stage 2'][name])} | {cell((headlines.get('control') or {}).get(name))} | "
-                     f"{_number((effect.get(name) or {}).get('difference'), '+.3f')} |")
+        spec = FIGURE_SPECS.get(name, ".3f")
+        lines.append(f"| {name} | {cell(headlines['stage 2'][name], spec)} | "
+                     f"{cell((headlines.get('control') or {}).get(name), spec)} | "
+                     f"{_number((effect.get(name) or {}).get('difference'), '+' + spec)} |")
     lines += ["", "Each seed's headline figures, with the snapshots they average:", ""]
     for branch, heads in headlines.items():
         for name, h in heads.items():
-            lines += [f"- {branch}, {name}, seed {seed}: {last_snapshots_text(summary)}"
+            lines += [f"- {branch}, {name}, seed {seed}: {last_snapshots_text(summary, FIGURE_SPECS.get(name, '.3f'))}"
                       for seed, summary in zip(h["seeds"], h["per_seed"])]
     lines += ["", "## Targets (issue #64: stage 2 earns its cost cut; fixed before the run)", ""]
     lines += [target_line(t) for t in report.get("issue64_targets") or []]
