@@ -19,7 +19,8 @@ from experiments.report import read_jsonl
 from experiments.studies import routing
 from experiments.studies.routing import (RL_CONFIG, RoutingTask, SeedSettings, SeedStopped, build_parser,
                                          control_overrides, fork_checkpoint, pending_snapshots, run_seed,
-                                         runtime_differs, seed_snapshots, snapshot_steps, stage_configs)
+                                         runtime_differs, seed_snapshots, show_progress, snapshot_steps,
+                                         stage_configs)
 from experiments.training import CHECKPOINT_MARKER, latest_checkpoint, reward_schedule
 
 # ----------------------------------------------------------------------------- the control's config
@@ -254,3 +255,20 @@ def test_a_seed_split_over_sittings_redoes_no_snapshot(tmp_path, fakes):
     assert "seed 2 stopped before the stage 2 snapshot after stage-2 step 2" in messages
     assert "seed 2 stopped in control, after step 5" in messages
     assert len(messages) > 2 * S2  # a sitting per RL step at least: the pieces did resume
+
+
+def test_show_progress_prints_the_snapshots_so_far_and_of_a_finished_seed(tmp_path, fakes, capsys):
+    run = _seed(tmp_path, None)
+    args = build_parser().parse_args(["--out", str(tmp_path), "--seeds", "2", "--stage1-steps", str(S1), "--stage2-steps",
+                                      str(S2), "--snapshot-every", str(EVERY), "--entities", "120", "--questions", "60",
+                                      "--show-progress"])
+    capsys.readouterr()
+    assert show_progress(args) == 0  # still training: read from progress.json and the run folders
+    text = capsys.readouterr().out
+    assert "seed 2, EM-only control" in text and "seed 2, snapshots (greedy, held-out):" in text
+    # snapshot figures: EM = trained steps / 100, cost = 1,000 per trained step (the fake evaluator's)
+    assert "| 2 | stage 2 | 2 | 1.000 | 1.000 | 0.060 | 0.060 | 6,000 |" in text
+    assert "| 2 | control | 6 | 1.000 | 1.000 | 0.100 | 0.100 | 10,000 |" in text
+    (tmp_path / "seed2" / "seed_report.json").write_text(json.dumps(run))
+    assert show_progress(args) == 0  # finished: read from its seed report
+    assert capsys.readouterr().out.count("| 2 | control |") == 3

@@ -54,6 +54,22 @@ routing accuracy per type at the mode slot and the cost regret against the perfe
 ``--stage2-override KEY=VALUE`` (repeatable) sets a key of routing_grpo.yaml for stage 2 only, e.g.
 ``learner.loss.mode_entropy_coef=0.1``; the trainer options ``data.balance_by=kind`` and
 ``learner.loss.mode_pg_coef=K`` go in as plain overrides (both stages) or stage-2 ones.
+``--probes-per-type N`` reads the mode slot on N held-out questions of each type (default 16; 48
+with ``--heldout-per-type 48`` reads every one).
+``--snapshot-every N`` trains stage 2 in pieces of N steps and evaluates the policy after each
+and after stage 2's last step (greedy, on the engines that hold its weights, the mode slot read
+from that step's checkpoint): routing accuracy per type at the mode slot, EM per type, cost per
+question and its regret. Each snapshot is a part of the seed (progress.json), never redone by a
+later sitting. The headline figures are the mean of each seed's last 3 snapshots
+(``experiments.evaluate.last_snapshots``), each snapshot shown in report.md.
+``--em-only-control`` adds, per seed, a branch in ``<seed>/control`` from a copy of stage 1's last
+checkpoint (``fork_checkpoint``), as long as stage 2 and with its snapshots, whose reward is EM at
+every step: stage 2's config with ``reward.stage2_start`` at the run's end, with stage 2's
+overrides but the ``reward.*`` ones (``control_overrides``), so the trainer options, the prompt
+batches and the sampling seeds are stage 2's. Stage 2's effect is stage 2 minus the control, per
+figure. report.json then carries ``headlines``, ``stage2_effect`` and ``issue64_targets``: issue
+#64's targets, fixed here before any run (``issue64_targets``), each with its value and whether
+it was met, or undecided with the reason (no control; one seed, whose spread is unavailable).
 
 The same functions run one seed inside ``make demo`` (``experiments.demo``).
 """
