@@ -267,8 +267,19 @@ def test_show_progress_prints_the_snapshots_so_far_and_of_a_finished_seed(tmp_pa
     text = capsys.readouterr().out
     assert "seed 2, EM-only control" in text and "seed 2, snapshots (greedy, held-out):" in text
     # snapshot figures: EM = trained steps / 100, cost = 1,000 per trained step (the fake evaluator's)
-    assert "| 2 | stage 2 | 2 | 1.000 | 1.000 | 0.060 | 0.060 | 6,000 |" in text
-    assert "| 2 | control | 6 | 1.000 | 1.000 | 0.100 | 0.100 | 10,000 |" in text
+    assert "| 2 | stage 2 | 2 | 1.000 | 1.000 | +0.700 | 0.060 | 0.060 | 6,000 |" in text
+    assert "| 2 | control | 6 | 1.000 | 1.000 | +0.700 | 0.100 | 0.100 | 10,000 |" in text
     (tmp_path / "seed2" / "seed_report.json").write_text(json.dumps(run))
     assert show_progress(args) == 0  # finished: read from its seed report
     assert capsys.readouterr().out.count("| 2 | control |") == 3
+
+
+def test_with_the_options_off_a_seed_runs_as_before(tmp_path, fakes):
+    task = RoutingTask(tmp_path / "world", tmp_path / "index", [], [], None, {})
+    plain = SeedSettings(stage1_steps=S1, stage2_steps=S2, eval_samples=0)  # the demo's kind of seed
+    run = run_seed(task, 2, tmp_path / "seed2", plain, {**routing.EVAL_KWARGS}, show_progress=False)
+    assert [(name, steps) for name, _, steps in fakes.train_calls] == [("grpo", S1), ("grpo", S1 + S2)]
+    assert sorted(fakes.evaluations) == ["sft", "stage1", "stage2"]
+    assert set(run) == {"seed", "evaluations", "sampled_evaluations", "results", "curves", "train_metrics",
+                        "rollout_engine", "sft", "seconds"}
+    assert not (tmp_path / "seed2" / "control").exists()

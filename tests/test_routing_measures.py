@@ -134,8 +134,8 @@ REFERENCE = {"perfect": 30_000.0, "always_graph": 80_000.0, "always_passage": 50
 
 
 def _evaluation(acc_graph, acc_direct, em_graph, em_direct, cost):
-    return {"graph_only": {"routing_accuracy": acc_graph, "em": em_graph},
-            "direct": {"routing_accuracy": acc_direct, "em": em_direct},
+    return {"graph_only": {"routing_accuracy": acc_graph, "em": em_graph, "graph_preference": 0.8},
+            "direct": {"routing_accuracy": acc_direct, "em": em_direct, "graph_preference": 0.3},
             "all": {"em": (em_graph + em_direct) / 2, "cost_per_question": cost}}
 
 
@@ -151,6 +151,7 @@ def test_headline_figures_are_the_mean_of_the_last_three_snapshots_by_hand():
     assert heads["routing_accuracy/graph_only"]["mean"] == pytest.approx(0.9)  # (0.8 + 0.9 + 1.0) / 3: step 2 left out
     assert heads["routing_accuracy/direct"]["mean"] == pytest.approx(0.9)
     assert heads["cost_per_question"]["mean"] == pytest.approx(35_000.0)
+    assert heads["mode_slot_gap"]["mean"] == pytest.approx(0.8 - 0.3)
     # regret of each snapshot: 0.2, 0.1, 0.0 -> 0.1 (= the regret of the mean cost: the map is affine)
     assert heads["cost_regret"]["mean"] == pytest.approx(0.1)
     assert [s["step"] for s in heads["em/direct"]["snapshots"]] == [4, 6, 8]
@@ -226,7 +227,7 @@ def test_the_report_shows_each_snapshot_the_headlines_and_the_targets():
     report = {"snapshot_every": 2, "seed_runs": runs, "reference_router_costs": REFERENCE, "headlines": heads,
               "stage2_effect": stage2_effect(heads), "issue64_targets": issue64_targets(heads)}
     text = "\n".join(issue64_markdown(report))
-    assert "| 0 | stage 2 | 4 | 0.950 | 0.920 | 0.850 | 0.900 | 38,000 | 0.160 |" in text
+    assert "| 0 | stage 2 | 4 | 0.950 | 0.920 | +0.500 | 0.850 | 0.900 | 38,000 | 0.160 |" in text
     assert "| cost_per_question | 38,000 | 79,000 | -41,000 |" in text
     assert "- stage 2, em/direct, seed 0: 0.900 (steps 2 / 4 / 6: 0.900 / 0.900 / 0.900)" in text
     assert "- cost regret against the perfect router: 0.160 vs <= 0.2 -> met" in text

@@ -1154,9 +1154,13 @@ COST_RATIO_VS_CONTROL = 0.7  # stage 2's cost per question at least 30 % below t
 
 def snapshot_figures(evaluation: dict, reference: dict[str, float]) -> dict[str, float | None]:
     """One snapshot's figures (``evaluate_stage``'s greedy evaluation with the mode slot read):
-    routing accuracy at the mode slot and EM per question type, EM over all, cost per question and
+    routing accuracy at the mode slot and EM per question type, the gap in p(graph) at the mode slot
+    between the types (``graph_only`` − ``direct``), EM over all, cost per question and
     its ``cost_regret`` against ``reference_router_costs``; None where the evaluation lacks one."""
     figures = {f"routing_accuracy/{kind}": evaluation.get(kind, {}).get("routing_accuracy") for kind in RIGHT_ROUTE}
+    # the pilot's falsification reads this: p(graph) at the mode slot, graph_only minus direct
+    preference = [evaluation.get(kind, {}).get("graph_preference") for kind in ("graph_only", "direct")]
+    figures["mode_slot_gap"] = None if None in preference else preference[0] - preference[1]
     figures.update({f"em/{kind}": evaluation.get(kind, {}).get("em") for kind in (*RIGHT_ROUTE, "all")})
     cost = evaluation.get("all", {}).get("cost_per_question")
     figures["cost_per_question"] = cost
@@ -1269,7 +1273,8 @@ def target_line(target: dict) -> str:
 
 
 SNAPSHOT_COLUMNS = (("routing_accuracy/graph_only", "routing acc. `graph_only`", ".3f"),
-                    ("routing_accuracy/direct", "routing acc. `direct`", ".3f"), ("em/graph_only", "EM `graph_only`", ".3f"),
+                    ("routing_accuracy/direct", "routing acc. `direct`", ".3f"),
+                    ("mode_slot_gap", "p(graph) gap, `graph_only` − `direct`", "+.3f"), ("em/graph_only", "EM `graph_only`", ".3f"),
                     ("em/direct", "EM `direct`", ".3f"), ("cost_per_question", "cost / q", ",.0f"),
                     ("cost_regret", "cost regret", ".3f"))
 
@@ -1314,7 +1319,7 @@ def issue64_markdown(report: dict) -> list[str]:
         spec = FIGURE_SPECS.get(name, ".3f")
         lines.append(f"| {name} | {cell(headlines['stage 2'][name], spec)} | "
                      f"{cell((headlines.get('control') or {}).get(name), spec)} | "
-                     f"{_number((effect.get(name) or {}).get('difference'), '+' + spec)} |")
+                     f"{_number((effect.get(name) or {}).get('difference'), '+' + spec.lstrip('+'))} |")
     lines += ["", "Each seed's headline figures, with the snapshots they average:", ""]
     for branch, heads in headlines.items():
         for name, h in heads.items():
