@@ -213,3 +213,25 @@ def _cancel(refs: Sequence) -> None:
 
 __all__ = ["ClusterResourceError", "alive_nodes", "bundle_of", "get_all", "in_group", "init_ray", "learner_device",
            "ray_options", "release", "reserve", "resolve_learner_resources"]
+
+
+def resolve_actors(actors):
+    """Actor handles from handles or Ray actor names: a name (``str``) is looked up with
+    ``ray.get_actor``; a list or a dict is resolved item by item; a handle is kept.
+
+    Actors restarted by Ray are rebuilt from their constructor arguments, and Ray keeps arguments
+    that hold actor handles in its object store, where an eviction makes the restart fail
+    (ray-project/ray#53727). Names are plain strings that travel inline, so an actor given its peers
+    by name (the retrieval service its shards, an env runner its services and rollout workers)
+    looks them up again when it comes back.
+    """
+    if isinstance(actors, str):
+        import ray
+
+        return ray.get_actor(actors)
+    if isinstance(actors, dict):
+        return {key: resolve_actors(value) for key, value in actors.items()}
+    if isinstance(actors, (list, tuple)):
+        return [resolve_actors(a) for a in actors]
+    return actors
+

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 from typing import Any, Sequence
 
+from actors.cluster import resolve_actors
 from envs.rollout import EpisodeRequest, MultiTurnRollout, RolloutConfig
 from envs.stepping import RetrievalRequest
 
@@ -183,6 +184,8 @@ class EnvRunner:
 
         torch.set_num_threads(num_threads)
         self.env_id = env_id
+        # services and workers may come by Ray name (RayRuntime passes names: actors.cluster.resolve_actors)
+        services, rollout_workers = resolve_actors(services), resolve_actors(list(rollout_workers))
         if isinstance(services, dict):
             retrievers = {"knowledge_bases": {name: ServiceRetriever(s) for name, s in services.items()}}
         else:

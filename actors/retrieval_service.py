@@ -19,7 +19,8 @@
 service is told its shards and replicas by their Ray actor names, not handed their handles: Ray
 keeps constructor arguments that hold actor handles in its object store, and a restart fails once
 they are evicted (ray-project/ray#53727, logged at error level for every such actor with restarts).
-Names are plain strings passed inline, so a restarted service looks its shards up again.
+Names are plain strings passed inline, so a restarted service looks its shards up again
+(``actors.cluster.resolve_actors``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from actors.cluster import resolve_actors
 from raggym.retrieval import Retriever
 from raggym.retrieval.dense import merge_topk, search_shard_canonical
 
@@ -124,15 +126,6 @@ class _ShardFanout:
         return np.full(len(queries), float(self.ntotal))
 
 
-def _actors_by_name(actors: Sequence[Any]) -> list[Any]:
-    """Actor handles, each given as a handle or as the Ray name of a live actor (looked up here)."""
-    if not any(isinstance(a, str) for a in actors):
-        return list(actors)
-    import ray
-
-    return [ray.get_actor(a) if isinstance(a, str) else a for a in actors]
-
-
 class RetrievalService(Retriever):
     """A ``Retriever`` whose dense search and graph ranking run on other actors (``shards`` and
     ``replicas``: handles, or the Ray names of live actors, as ``start_retrieval_service`` gives them)."""
@@ -140,7 +133,7 @@ class RetrievalService(Retriever):
     def __init__(self, index_dir: str, shards: Sequence[Any], replicas: Sequence[Any] = (), routing: str = "round_robin",
                  num_threads: int | None = 1):
         _set_threads(num_threads)
-        shards, replicas = _actors_by_name(shards), _actors_by_name(replicas)
+        shards, replicas = resolve_actors(list(shards)), resolve_actors(list(replicas))
         self._state_lock = threading.Lock()  # replica choice, in-flight counts, call count
         self._encode_lock = threading.RLock()  # the embedder (and its lazy load): one thread at a time
         base = Retriever.load(index_dir, verify=False)
@@ -204,6 +197,10 @@ def start_retrieval_service(index_dir: str, *, num_replicas: int = 1, replica_pe
                             replica_gpus: float = 0.0, service_cpus: float = 0.5, name: str | None = None,
                             shard_resources: dict | None = None, replica_class: type = None):
     """Create shard, replica and service actors; returns ``(service, shards, replicas)`` handles.
+
+    The caller keeps all three for as long as it uses the service: the service finds its shards and
+    replicas by name, and a handle looked up by name does not keep an actor alive, so Ray ends a
+    shard or replica whose creator dropped its handle.
 
     ``replica_per_node`` places one graph replica on each alive node (ignoring ``num_replicas``).
     ``replica_gpus > 0`` runs PPR on CUDA inside the replica. ``shard_resources`` are custom Ray

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -336,22 +337,29 @@ class RayRuntime:
             learner_options = resolve_learner_resources(to_plain(cfg.learner_resources), int(cfg.num_learners),
                                                         engine=ro.engine, engine_gpus=gpus * int(ro.workers))
         self._sync_backend = weight_sync_backend(cfg, bool(learner_options and learner_options.get("num_gpus")))
+        # Env runners get the services and rollout workers by Ray name (actors.cluster.resolve_actors),
+        # so their constructor arguments pass inline and a restarted runner finds them again.
+        prefix = f"raggym-{uuid.uuid4().hex[:12]}"
+        self._service_names: dict[str, str] = {}
         for name, path in index_dirs.items():
+            self._service_names[name] = f"{prefix}-retrieval-{name}"
             service, shards, replicas = start_retrieval_service(str(path), num_replicas=int(r.replicas), routing=r.routing,
                                                                 replica_per_node=bool(r.replica_per_node),
-                                                                shard_resources=to_plain(r.shard_resources))
+                                                                shard_resources=to_plain(r.shard_resources),
+                                                                name=self._service_names[name])
             self.services[name] = service
             self._others += [*shards, *replicas]
         worker_options = {"num_cpus": float(ro.worker_cpus), "num_gpus": gpus,
                           "resources": to_plain(ro.worker_resources) or {}}
         Worker = RolloutWorker.as_remote(**worker_options, **RESTARTS)
         self.workers = []
+        self._worker_names = [f"{prefix}-rollout-{i}" for i in range(int(ro.workers))]
         for i in range(int(ro.workers)):
             group, _ = reserve([bundle_of(worker_options)], what=f"rollout engine {i}", strategy="PACK")
             self._groups.append(group)
             # A worker Ray restarts refuses to sample until it has the learners' weights again (rollout
             # resyncs it first); without learners (eval) the configured weights are the ones to use.
-            self.workers.append(Worker.options(**in_group(group)).remote(
+            self.workers.append(Worker.options(name=self._worker_names[i], **in_group(group)).remote(
                 engine=ro.engine, require_sync="after_restart" if with_learners else False,
                 **engine_kwargs(cfg, in_process=False)))
         self.tokenizer = load_policy_tokenizer(cfg.policy.model)
@@ -382,10 +390,11 @@ class RayRuntime:
         if key not in self._runners:
             Runner = EnvRunner.as_remote(num_cpus=0.25, resources=to_plain(self.cfg.rollout.env_runner_resources) or {},
                                          **RESTARTS)
-            services = self.services if self.multi_kb else next(iter(self.services.values()))
+            services = self._service_names if self.multi_kb else next(iter(self._service_names.values()))
             rollout_cfg = vars(_rollout_config(self.cfg))
-            self._runners[key] = [Runner.remote(self.cfg.env.id, services, self.workers, self.cfg.policy.model, kwargs,
-                                                rollout_cfg) for _ in range(max(1, int(self.cfg.rollout.env_runners)))]
+            self._runners[key] = [Runner.remote(self.cfg.env.id, services, self._worker_names, self.cfg.policy.model,
+                                                kwargs, rollout_cfg)
+                                  for _ in range(max(1, int(self.cfg.rollout.env_runners)))]
         return self._runners[key]
 
     @property

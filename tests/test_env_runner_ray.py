@@ -30,7 +30,7 @@ SEARCHES_PER_EPISODE = 2
 
 
 def test_every_episode_gets_exactly_the_in_process_hits(ray_session, sharded_index, small_world):
-    service, _, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
+    service, *peers = start_retrieval_service(str(sharded_index), num_replicas=1)  # peers: keeps the shards alive
     Worker = RolloutWorker.as_remote(num_cpus=0.25)
     workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT)]
     runner = EnvRunner.as_remote(num_cpus=0.25).remote(
@@ -76,7 +76,7 @@ def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_sessi
     import json
 
     log = tmp_path / "calls.jsonl"
-    service, _, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
+    service, *peers = start_retrieval_service(str(sharded_index), num_replicas=1)  # peers: keeps the shards alive
     Worker = RolloutWorker.as_remote(num_cpus=0.25)
     workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT, delay_s=0.3, call_log=str(log))
                for _ in range(2)]
@@ -103,7 +103,7 @@ def test_sessions_stick_to_one_worker_and_spread_over_the_least_loaded(ray_sessi
 def test_the_runtime_keeps_each_group_on_one_runner_and_sums_the_runners_counts(ray_session, sharded_index, small_world):
     from actors.runtime import RayRuntime
 
-    service, _, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
+    service, *peers = start_retrieval_service(str(sharded_index), num_replicas=1)  # peers: keeps the shards alive
     Worker = RolloutWorker.as_remote(num_cpus=0.25)
     workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT)]
     Runner = EnvRunner.as_remote(num_cpus=0.25)

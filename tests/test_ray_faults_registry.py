@@ -60,7 +60,7 @@ def _searches(episodes) -> list[list[tuple]]:
 
 def test_killing_a_worker_a_shard_the_runner_and_the_service_mid_rollout_loses_nothing(ray_session, sharded_index, small_world, tmp_path):
     log = tmp_path / "calls.jsonl"
-    service, shards, _ = start_retrieval_service(str(sharded_index), num_replicas=1)
+    service, shards, replicas = start_retrieval_service(str(sharded_index), num_replicas=1)
     Worker = RolloutWorker.as_remote(num_cpus=0.5, **RESTARTS)
     workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT, delay_s=DELAY_S, call_log=str(log))
                for _ in range(2)]

@@ -48,7 +48,7 @@ def _intervals(replicas):
 
 
 def test_two_slow_graph_calls_overlap_on_two_replicas(ray_session, sharded_index, small_world):
-    service, _, replicas = start_retrieval_service(str(sharded_index), num_replicas=2, replica_class=SlowGraphReplica)
+    service, shards, replicas = start_retrieval_service(str(sharded_index), num_replicas=2, replica_class=SlowGraphReplica)
     assert len(replicas) == 2
     first, second = [q.question for q in small_world.questions[:2]], [q.question for q in small_world.questions[2:4]]
     ray.get([service.retrieve.remote(first, "graph", 3)], timeout=120)  # warm up: embedder and actors loaded

@@ -47,6 +47,9 @@ def test_three_grpo_steps_on_vllm_keep_the_engine_on_the_learners_policy(tmp_pat
     out = tmp_path / "run"
     proc = train_on("vllm-async", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Ray logs an error for every restartable actor whose constructor arguments sit in its object store
+    # (ray-project/ray#53727): the runtime passes its actors' peers by name, so none does
+    assert "constructor arguments in the object store" not in proc.stdout + proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["learner/weight_version"] for r in records] == [1.0, 2.0, 3.0]
