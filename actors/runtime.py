@@ -28,6 +28,7 @@ from gymnasium.envs.registration import load_env_creator
 
 import envs  # noqa: F401  (registers the env ids)
 from actors.cluster import bundle_of, get_all, in_group, learner_device, release, reserve, resolve_learner_resources
+from actors.engines.base import engine_info
 from actors.engines.loop_thread import OwnLoopEngine
 from actors.engines.rollout_worker import RolloutWorker, make_engine
 from actors.env_runner import EnvRunner
@@ -260,7 +261,7 @@ class LocalRuntime(InProcessRollouts):
         self.learners = LocalLearnerGroup(learner_config(cfg)) if with_learners else None
         self.verifier = None
         if with_learners:
-            dtypes = (engine.info().get("dtype"), self.learners.learner.info()["dtype"])
+            dtypes = (engine_info(engine).get("dtype"), self.learners.learner.info()["dtype"])
             self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, dtypes, 1)
 
     def _score_probe(self, ids, workers):

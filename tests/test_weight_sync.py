@@ -264,7 +264,13 @@ def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_i
     from actors.engines.rollout_worker import WeightsNotSyncedError
 
     ray, group, workers = cluster["ray"], cluster["group"], cluster["workers"]
-    version = group.version
+    # `make test-integration` runs this test alone, on learners still at version 0: one step and a
+    # collective sync first, so that a worker rebuilt on its initial weights is stale and has a
+    # collective group to lose (after the module's other tests, this is one more step).
+    assert group.init_weight_sync(workers, backend="gloo") == 3
+    _, batch = rollout(cluster, prompts, seed=450)
+    version = int(group.update(batch)["weight_version"])
+    assert group.broadcast_weights(workers)["weight_version"] == version >= 1
     assert ray.get([w.weight_version.remote() for w in workers]) == [version, version]
     assert group.resync_restarted(workers) == []  # nobody restarted: nothing to do
     ray.kill(workers[1], no_restart=False)  # vLLM's actor process dies; Ray rebuilds it (engine and all)

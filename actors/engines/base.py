@@ -47,6 +47,15 @@ class GenerationEngine(Protocol):
     def update_weights(self, named_tensors, version: int | None = None) -> int: ...
 
 
+def engine_info(engine) -> dict:
+    """The engine's ``info()``, optional in the protocol: an engine without one reports its kind (or
+    class name) and no dtype, which the sync check reads as fp32 (``actors.sync_verify``)."""
+    info = getattr(engine, "info", None)
+    if info is not None:
+        return info()
+    return {"kind": getattr(engine, "kind", type(engine).__name__)}
+
+
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -66,5 +75,6 @@ __all__ = [
     "SamplingParams",
     "SessionEngine",
     "check_prompts",
+    "engine_info",
     "derive_seed",
 ]

@@ -31,7 +31,7 @@ import importlib
 import inspect
 from typing import Sequence
 
-from actors.engines.base import GenerationResult, SamplingParams
+from actors.engines.base import GenerationResult, SamplingParams, engine_info
 from envs.session_adapter import as_session_engine
 
 
@@ -216,7 +216,7 @@ class RolloutWorker:
         return str(getattr(self.engine.tokenizer, "name_or_path", ""))
 
     def info(self) -> dict:
-        return {**self.engine.info(), "synced": self.synced, "restarted": self.restarted}
+        return {**engine_info(self.engine), "synced": self.synced, "restarted": self.restarted}
 
     def ping(self) -> bool:
         return True
