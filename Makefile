@@ -49,9 +49,9 @@ test: $(STAMP)
 
 # The heavy end-to-end modules (marked `integration`): a token-auth Ray cluster with GRPO runs, a
 # killed run resumed as a Ray job, the README's serve command stopped by SIGTERM, one training step
-# of each of the six tiny configs, six routing GRPO steps that must raise the graph preference on
-# graph-needing questions, the 60-question MuSiQue recall claim, and the evaluation CLI's small real
-# run through Ray. CI runs them after `make test`.
+# of each of the six tiny configs, the 60-question MuSiQue recall claim, and the evaluation CLI's
+# small real run through Ray. CI runs them after `make test`. The routing studies' real runs are
+# `make test-slow` only (docs/development.md says why).
 test-integration: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m integration tests
 

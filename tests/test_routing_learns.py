@@ -28,7 +28,8 @@ from experiments.config import load_config
 from experiments.report import read_jsonl
 from experiments.studies.routing import EVAL_KWARGS, RL_CONFIG, build_task, format_only_sft, graph_preference, mode_probes
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+# `make test-slow`, not CI: docs/development.md says which CI tests catch what this one would.
+pytestmark = pytest.mark.slow
 
 STEPS = 6
 MIN_RISE = 0.05  # mean graph preference, absolute; measured rise and its negated-advantage fall: docs/results.md

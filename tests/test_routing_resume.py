@@ -15,7 +15,8 @@ from experiments.report import read_jsonl
 from experiments.studies.routing import (EVAL_KWARGS, SeedProgress, SeedSettings, SeedStopped, build_task, run_seed,
                                          seed_settings_key)
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+# `make test-slow`, not CI: docs/development.md says which CI tests catch what this one would.
+pytestmark = pytest.mark.slow
 
 SETTINGS = SeedSettings(sft_examples=8, sft_epochs=1, sft_batch=8, stage1_steps=2, stage2_steps=1, prompts_per_step=2,
                         group_size=2, eval_samples=0, max_response_tokens=64,
