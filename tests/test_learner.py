@@ -11,6 +11,7 @@ against the rollout engine.
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import replace
 
 import pytest
@@ -745,3 +746,55 @@ def test_mode_pg_term_moves_the_mode_choices_with_their_advantage(tiny_model, ba
         learner.update(replace(b, mode_choice_mask=None))
     del learner
     gc.collect()
+
+
+def _rollout_logprobs(tiny_model, batch) -> torch.Tensor:
+    """The log-probs an engine equal to the learner would have sampled with."""
+    probe = Learner(speed_config(tiny_model))
+    at_rollout = probe.compute_logprobs(batch.token_ids, batch.attention_mask)
+    del probe
+    gc.collect()
+    return at_rollout
+
+
+def test_masked_rollout_correction_drops_rejected_tokens_from_the_loss_and_its_denominator(tiny_model):
+    """Issue #68: three tokens whose engine log-prob is 5 nats above the learner's (ρ = e^-5) are
+    rejected by the token mask. The step must equal one where those tokens were never trained: a
+    rejected token still in the denominator (slime #657) would shrink every other token's share."""
+    batch = grouped_batch()
+    at_rollout = _rollout_logprobs(tiny_model, batch)
+    far = torch.zeros_like(at_rollout)
+    far[0, 13] = far[0, 16] = far[2, 20] = 5.0
+    assert bool((batch.loss_mask[far > 0] == 1).all())
+    correction = {"level": "token", "kind": "mask", "threshold": 2.0}
+    corrected = run_update(speed_config(tiny_model, old_logprobs="recompute", loss={
+        "clip_low": 0.2, "entropy_coef": 0.01, "rollout_correction": correction}),
+        replace(batch, sampled_logprobs=at_rollout + far))
+    never_trained = run_update(speed_config(tiny_model, old_logprobs="recompute", loss={"clip_low": 0.2, "entropy_coef": 0.01}),
+                               replace(batch, loss_mask=batch.loss_mask * (far == 0)))
+    assert_same_step(corrected, never_trained, keys=("pg_loss", "entropy", "loss"))
+    trained = float(batch.loss_mask[:, 1:].sum())
+    assert corrected[0]["rollout_is/changed_share"] == pytest.approx(3 / trained)
+    assert corrected[0]["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert corrected[0]["rollout_is/kl_k1"] == pytest.approx(-5 * 3 / trained, abs=1e-4)  # E[log π_old − log π_rollout]
+
+
+def test_truncated_rollout_correction_weighs_a_sequences_pg_loss(tiny_model):
+    """The engine gave row 0's tokens a quarter of the learner's probability each, so the row's
+    sequence weight Π ρ = 4^n is capped at C = 2. At ρ_θ = 1 (one optimizer step) w·(−Â·ρ_θ) = −(2Â)·ρ_θ: the step equals one with row 0's
+    advantage doubled and no correction."""
+    batch = grouped_batch()
+    at_rollout = _rollout_logprobs(tiny_model, batch)
+    quarter = torch.zeros_like(at_rollout)
+    quarter[0] = -math.log(4.0) * batch.loss_mask[0]
+    loss = {"clip_low": 0.2, "entropy_coef": 0.01}
+    corrected = run_update(speed_config(tiny_model, old_logprobs="recompute", loss={
+        **loss, "rollout_correction": {"level": "sequence", "kind": "truncate", "threshold": 2.0}}),
+        replace(batch, sampled_logprobs=at_rollout + quarter))
+    doubled = batch.advantages.clone()
+    doubled[0] *= 2
+    reference = run_update(speed_config(tiny_model, old_logprobs="recompute", loss=loss), replace(batch, advantages=doubled))
+    assert_same_step(corrected, reference, keys=("pg_loss", "entropy", "loss"))
+    assert corrected[0]["rollout_is/weight_max"] == pytest.approx(2.0)
+    rows_tokens = batch.loss_mask[:, 1:].sum(-1)
+    assert corrected[0]["rollout_is/changed_share"] == pytest.approx(float(rows_tokens[0] / rows_tokens.sum()))

@@ -56,6 +56,12 @@ class LearnerConfig:
     logit_chunk_size: int = DEFAULT_CHUNK_SIZE  # positions whose [chunk, V] logits exist at once; 0: all at once
     max_tokens_per_micro_batch: int | None = None  # split a micro-batch so rows × longest row stays under this
 
+    def __post_init__(self) -> None:
+        correction = getattr(self.loss, "rollout_correction", None)
+        if correction is not None and correction.enabled and self.old_logprobs != "recompute":
+            raise ValueError("learner.loss.rollout_correction weighs each token by π_old / π_rollout, so π_old must come "
+                             "from the learner's own pass before the update: set learner.old_logprobs: recompute")
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LearnerConfig" | None) -> "LearnerConfig":
         """Build from a plain (e.g. OmegaConf/YAML) mapping; unknown keys are an error."""

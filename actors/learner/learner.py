@@ -69,6 +69,7 @@ from raggym.algorithms.batch import TrainBatch
 from raggym.algorithms.logprobs import final_hidden_states, head_token_stats, head_topk, output_head
 from raggym.algorithms.losses import LOSS_AGGREGATIONS
 from raggym.algorithms.policy_loss import PolicyLoss, PolicyLossInputs
+from raggym.algorithms.rollout_correction import rollout_correction
 from raggym.algorithms.shared_prompt import PackedBatch, pack_sequences, shared_prompt_order
 from raggym.models import apply_lora, load_policy
 from raggym.process_memory import release_freed_memory
@@ -398,6 +399,7 @@ class Learner:
         if pi_old.needs_pass:
             self._recompute_old_logprobs(batch, pi_old, log)
         pi_old.measure(batch)
+        self._correct_for_the_rollout(batch, pi_old)
         self._frozen_model_passes(batch, log)  # what the loss terms need of the reference model
         self._tokens_computed = self._tokens_padded = 0  # count the training forwards only
 
@@ -470,6 +472,21 @@ class Learner:
             self._recompute_old_logprobs(batch, pi_old, log)
         else:
             batch.old_logprobs = batch.sampled_logprobs
+
+    def _correct_for_the_rollout(self, batch: TrainBatch, pi_old: OldLogprobs) -> None:
+        """``learner.loss.rollout_correction``: weigh each token's PG loss by π_old / π_rollout
+        (truncated, or masked: a rejected token leaves ``loss_mask``, so it counts in no loss
+        term and in no denominator). π_old is this update's recomputed pass (config check)."""
+        correction = self.config.loss.rollout_correction
+        if not correction.enabled:
+            return
+        if pi_old.sampled is None:
+            raise ValueError("learner.loss.rollout_correction needs the rollout engine's log-probs of the sampled "
+                             "tokens (TrainBatch.sampled_logprobs); this batch has none")
+        corrected = rollout_correction(batch.old_logprobs, pi_old.sampled, batch.loss_mask, correction)
+        batch.loss_mask = corrected.keep.to(batch.loss_mask.dtype)
+        batch.rollout_is_weights = corrected.weights
+        pi_old.drift.update(corrected.metrics)
 
     def _frozen_model_passes(self, batch: TrainBatch, log: UpdateLog) -> None:
         """What the loss terms need of the frozen model: reference log-probs, the teacher's top-K."""
@@ -548,6 +565,8 @@ class Learner:
             mask=mask.to(device), entropy=packed.scatter(head_stats.entropy),
             ref_log_probs=mb.ref_logprobs.to(device, torch.float32) if "ref_log_probs" in needs else None,
             teacher_kl=packed.scatter(head_stats.teacher_kl) if teacher else None, batch=mb, step=step,
+            rollout_is_weights=(mb.rollout_is_weights.to(device, torch.float32)
+                                if mb.rollout_is_weights is not None else None),
         )
 
     def _optimizer_step(self, boundary: bool, log: UpdateLog) -> None:

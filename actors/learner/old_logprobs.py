@@ -19,10 +19,12 @@ from __future__ import annotations
 import torch
 
 from raggym.algorithms.batch import TrainBatch
+from raggym.algorithms.rollout_correction import mismatch_metrics
 
 
 def logprob_drift(sampled: torch.Tensor | None, recomputed: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
-    """Mean and max |log π_rollout − log π_learner| over trained tokens (verl's rollout-probs diff).
+    """Mean and max |log π_rollout − log π_learner| over trained tokens (verl's rollout-probs diff),
+    and the mismatch diagnostics of ``raggym.algorithms.rollout_correction.mismatch_metrics``.
 
     The engine sampled with the same weights the learner recomputes with, so any gap is numerical
     (kernels, dtype, batching) or a bug (stale weights, misaligned tokens); it is logged every step.
@@ -34,7 +36,8 @@ def logprob_drift(sampled: torch.Tensor | None, recomputed: torch.Tensor, loss_m
         return {"logprob_drift_mean": 0.0, "logprob_drift_max": 0.0, "logprob_drift_tokens": 0.0}
     gap = (sampled.to(torch.float32) - recomputed.to(torch.float32)).abs()[mask]
     return {"logprob_drift_mean": float(gap.mean()), "logprob_drift_max": float(gap.max()),
-            "logprob_drift_tokens": float(mask.sum())}
+            "logprob_drift_tokens": float(mask.sum()),
+            **mismatch_metrics(recomputed, sampled, loss_mask)}  # KL, perplexity ratio, χ² (rollout_is/*)
 
 
 class OldLogprobs:
@@ -53,14 +56,14 @@ class OldLogprobs:
         self.drift: dict[str, float] = {}
         self.checking = False  # in the first mini-batch of an ``own`` update
         self._checked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._sampled = sampled
+        self.sampled = sampled
         if self.own and sampled is not None:
             batch.sampled_logprobs = sampled  # travels with the first mini-batch's rows for the drift check
 
     def measure(self, batch: TrainBatch) -> None:
         """The drift of the sampled log-probs from π_old when π_old is known before the update."""
         if not self.own:
-            self.drift = logprob_drift(self._sampled, batch.old_logprobs, batch.loss_mask)
+            self.drift = logprob_drift(self.sampled, batch.old_logprobs, batch.loss_mask)
 
     def start_mini_batch(self, mini: TrainBatch) -> None:
         self.checking = self.own and mini.old_logprobs is None

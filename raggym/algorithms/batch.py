@@ -18,6 +18,7 @@ from raggym.algorithms.spans import teacher_kl_mask_from_labels
 
 REQUIRED_FIELDS = ("token_ids", "attention_mask", "loss_mask", "advantages")
 PER_TOKEN_FIELDS = ("attention_mask", "loss_mask", "sampled_logprobs", "old_logprobs", "ref_logprobs", "mode_choice_mask",
+                    "rollout_is_weights",
                     "teacher_positions", "teacher_kl_mask", "teacher_topk_values", "teacher_topk_indices")  # [N, T, ...]
 # What a loss term or a count reads of a row: zero in a filler row, so that it adds nothing.
 FILLER_ZEROED = ("loss_mask", "advantages", "teacher_kl_mask", "mode_choice_mask")
@@ -47,6 +48,9 @@ class TrainBatch:
     # the on-policy ratio is exactly 1 on the first mini-batch)
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # [N, T] the reference model's, computed when a term needs it (KL)
+    # [N, T] the rollout correction's importance weights of the PG loss (no gradient; 1 where none),
+    # set by the learner when learner.loss.rollout_correction is on (raggym.algorithms.rollout_correction)
+    rollout_is_weights: torch.Tensor | None = None
     # the mode entropy bonus (only with the mode_entropy term):
     mode_choice_mask: torch.Tensor | None = None  # [N, T] 1 on the tokens that chose a search's retrieval mode
     # PathRouter's teacher KL (only with the teacher_kl term):

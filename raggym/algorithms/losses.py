@@ -153,6 +153,7 @@ def clipped_policy_loss(
     token_sum_norm: float | None = None,
     dual_clip: bool = False,
     clip_ratio_c: float = DUAL_CLIP_RATIO_C,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped policy-gradient loss with PPO's ε or DAPO's (ε_low, ε_high).
 
@@ -165,6 +166,9 @@ def clipped_policy_loss(
     tokens where the clipped branch was active), ``approx_kl`` (mean of log π_old − log π_θ) and
     ``ratio_mean``; with the dual clip also ``clip_fraction_lower`` (share of masked tokens with
     Â < 0 where the −Â·c cap was active).
+
+    ``token_weights`` (``[batch, seq]``, no gradient) multiply each token's clipped loss: the
+    rollout correction's importance weights w_t (``raggym.algorithms.rollout_correction``).
     """
     if clip_high is None:
         clip_high = clip_low
@@ -180,6 +184,9 @@ def clipped_policy_loss(
         cap = -adv * clip_ratio_c  # −Â·c
         capped = (adv < 0) & (per_token > cap)
         per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)  # Â < 0: min(L, −Â·c)
+    if token_weights is not None:
+        _check_token_shapes(per_token, token_weights)
+        per_token = per_token * token_weights.detach()  # w_t · L_t
     loss = aggregate_loss(per_token, mask, aggregation, token_sum_norm)
     with torch.no_grad():
         stats = {
@@ -202,6 +209,7 @@ def mode_choice_policy_loss(
     clip_high: float | None = None,
     dual_clip: bool = False,
     clip_ratio_c: float = DUAL_CLIP_RATIO_C,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate of ``clipped_policy_loss`` averaged over the trained mode-choice
     tokens only: L_mode = Σ c·m·L / Σ c·m (module docstring); 0 when no trained token chose a mode.
@@ -214,8 +222,8 @@ def mode_choice_policy_loss(
     _check_token_shapes(log_probs, mode_choice_mask)
     choices = mode_choice_mask.to(log_probs.dtype) * mask.to(log_probs.dtype)  # c·m
     return clipped_policy_loss(log_probs, old_log_probs, advantages, choices, clip_low=clip_low, clip_high=clip_high,
-                               aggregation="token-mean", dual_clip=dual_clip,
-                               clip_ratio_c=clip_ratio_c)  # Σ c·m·L / Σ c·m
+                               aggregation="token-mean", dual_clip=dual_clip, clip_ratio_c=clip_ratio_c,
+                               token_weights=token_weights)  # Σ c·m·L / Σ c·m
 
 
 def kl_loss(

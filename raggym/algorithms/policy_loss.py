@@ -58,6 +58,7 @@ from raggym.algorithms.losses import (
     selective_teacher_kl_loss,
     teacher_kl_weight,
 )
+from raggym.algorithms.rollout_correction import RolloutCorrectionConfig
 
 # ---------------------------------------------------------------------------------------------
 # configuration and the data a term sees
@@ -93,8 +94,20 @@ class PolicyLossConfig:
     # None: the built-in terms the keys above switch on (``default_terms``).
     terms: list[str] | None = None
     term_options: Any = None  # {term name: {setting: value}}: keyword settings of registered terms
+    # Importance weights for the rollout engine–learner gap (raggym.algorithms.rollout_correction):
+    # {level: token | sequence | geometric, kind: truncate | mask, threshold, lower}; None: off
+    rollout_correction: Any = None
 
     def __post_init__(self) -> None:
+        correction = self.rollout_correction
+        if not isinstance(correction, RolloutCorrectionConfig):
+            if correction is not None and not isinstance(correction, Mapping):
+                raise ValueError(f"learner.loss.rollout_correction must be a mapping or null, got {correction!r}")
+            unknown = sorted(set(correction or {}) - {"level", "kind", "threshold", "lower"})
+            if unknown:
+                raise ValueError(f"learner.loss.rollout_correction has unknown keys {unknown}; "
+                                 "known: level, kind, threshold, lower")
+            self.rollout_correction = RolloutCorrectionConfig(**dict(correction or {}))
         if self.terms is not None:
             self.terms = [str(t) for t in self.terms]
         named = self.term_names()
@@ -127,6 +140,7 @@ class PolicyLossInputs:
     entropy: torch.Tensor  # H(π_θ(· | y_<t)) at the trained tokens; with gradient only if a term needs "entropy_grad"
     ref_log_probs: torch.Tensor | None = None  # log π_ref(y_t), when a term needs "ref_log_probs"
     teacher_kl: torch.Tensor | None = None  # KL(teacher ‖ π_θ) on the teacher's top-K, when a term needs "teacher_kl"
+    rollout_is_weights: torch.Tensor | None = None  # w_t of the rollout correction, when it is on (no gradient)
     batch: TrainBatch | None = None  # the micro-batch's own fields (CPU)
     step: int = 0  # the trainer step, for schedules (the teacher-KL ramp)
 
@@ -331,7 +345,7 @@ def _clipped_pg(inputs: PolicyLossInputs, config: PolicyLossConfig, dual_clip: b
     pg, pg_stats = clipped_policy_loss(
         inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, clip_low=config.clip_low,
         clip_high=config.clip_high, aggregation=config.aggregation, token_sum_norm=config.token_sum_norm,
-        dual_clip=dual_clip, clip_ratio_c=config.clip_ratio_c,
+        dual_clip=dual_clip, clip_ratio_c=config.clip_ratio_c, token_weights=inputs.rollout_is_weights,
     )
     return LossTerm(pg, {"pg_loss": pg.item(), **{k: float(v) for k, v in pg_stats.items()}})
 
@@ -403,6 +417,7 @@ def mode_choice_pg(inputs: PolicyLossInputs, config: PolicyLossConfig) -> LossTe
         inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask,
         inputs.batch.mode_choice_mask.to(inputs.mask.device, inputs.log_probs.dtype), clip_low=config.clip_low,
         clip_high=config.clip_high, dual_clip=dual, clip_ratio_c=config.clip_ratio_c,
+        token_weights=inputs.rollout_is_weights,
     )
     return LossTerm(config.mode_pg_coef * value,  # + k·L_mode
                     {"mode_pg_term": value.item(), "mode_pg_clip_fraction": float(stats["clip_fraction"])})
