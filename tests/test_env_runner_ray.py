@@ -9,6 +9,7 @@ by the rollout loop, hold several ``(mode, k)`` groups and repeated queries, whi
 
 from collections import Counter
 
+import pytest
 import ray
 
 from actors.engines.base import SamplingParams
@@ -18,6 +19,10 @@ from actors.retrieval_service import start_retrieval_service
 from envs.rollout import EpisodeRequest
 from raggym.retrieval import Retriever
 from ray_world import ray_session, sharded_index  # noqa: F401  (fixtures)
+
+# Ray actors started, restarted and waited on (about 5 min of a 2-core machine): `make test-integration`,
+# where it runs beside the memory-heavy modules instead of lengthening `make test`.
+pytestmark = pytest.mark.integration
 
 SEARCH_MODES = ("[passage]", "[graph]", "[graph][passage]")
 SCRIPT = [

@@ -58,6 +58,7 @@ def _searches(episodes) -> list[list[tuple]]:
             for episode in episodes for r in episode]
 
 
+@pytest.mark.integration  # four actors killed and rebuilt mid-rollout (~4 min here): `make test-integration`
 def test_killing_a_worker_a_shard_the_runner_and_the_service_mid_rollout_loses_nothing(ray_session, sharded_index, small_world, tmp_path):
     log = tmp_path / "calls.jsonl"
     service, shards, replicas = start_retrieval_service(str(sharded_index), num_replicas=1)
