@@ -162,6 +162,8 @@ VLLM_ENGINES = ("vllm", "vllm-async")  # vLLM's offline LLM and its AsyncLLM (se
 
 def engine_kwargs(cfg, *, in_process: bool) -> dict:
     kwargs = {"model": cfg.policy.model, **(to_plain(cfg.rollout.engine_kwargs) or {})}
+    if cfg.rollout.get("dtype") is not None:  # the config check refused a different engine_kwargs.dtype
+        kwargs["dtype"] = str(cfg.rollout.dtype)
     if cfg.rollout.engine == "hf" and not in_process:
         kwargs.setdefault("num_threads", 1)  # several engine actors share the cores
     if cfg.rollout.engine in VLLM_ENGINES and int(kwargs.get("tensor_parallel_size", 1)) > 1:

@@ -165,6 +165,10 @@ class RolloutSection:
     # appended after them (verl-tool's max_response_length; envs.rollout.RESPONSE_BUDGET_COUNTS)
     response_budget_counts: Literal["model", "model_and_observations"] = "model"
     max_staleness: int = 0  # versions a trained sample's weights may lag the learner's (0: on-policy)
+    # the engine's weights and activations: null keeps the engine's default (vLLM: fp32 on a CPU, bf16 on
+    # GPUs; HF: the model's); bfloat16 with learner.dtype float32 or bfloat16 is the GPU cluster's setting,
+    # learner.loss.rollout_correction its correction (docs/algorithms.md)
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
     worker_cpus: float = 0.5
     worker_gpus: float = 0.0  # vllm on a GPU cluster: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)
     engine_kwargs: dict = field(default_factory=dict)
@@ -329,6 +333,10 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
         errs.append(("rollout.verify_sync.tolerance", "must be positive (null: the engine's dtype decides)"))
     if verify["probe_tokens"] < 2:
         errs.append(("rollout.verify_sync.probe_tokens", "must be at least 2 (the first token is not scored)"))
+    engine_dtype = (c["rollout"].get("engine_kwargs") or {}).get("dtype")
+    if c["rollout"]["dtype"] is not None and engine_dtype is not None and str(engine_dtype) != c["rollout"]["dtype"]:
+        errs.append(("rollout.dtype", f"is {c['rollout']['dtype']} but rollout.engine_kwargs.dtype is {engine_dtype}; "
+                                      "set one of them"))
     if c["rollout"]["max_staleness"] < 0:
         errs.append(("rollout.max_staleness", "must be non-negative (0: train on-policy samples only)"))
     ev = c["eval"]

@@ -124,3 +124,22 @@ def test_the_sync_check_settings_are_validated():
     assert any("rollout.verify_sync.every" in p and "non-negative" in p for p in problems), problems
     assert any("rollout.verify_sync.tolerance" in p and "positive" in p for p in problems), problems
     assert any("rollout.verify_sync.probe_tokens" in p and "at least 2" in p for p in problems), problems
+
+
+def test_the_rollout_dtype_reaches_the_engine_and_may_not_contradict_its_kwargs():
+    from actors.runtime import engine_kwargs
+
+    bf16 = load_config(None, ["rollout.dtype=bfloat16"])
+    assert engine_kwargs(bf16, in_process=True)["dtype"] == "bfloat16"
+    assert "dtype" not in engine_kwargs(load_config(None, []), in_process=True)  # the engine's own default
+    problems = _problems(["rollout.dtype=bfloat16", "rollout.engine_kwargs.dtype=float32"])
+    assert any("rollout.dtype" in p and "set one of them" in p for p in problems), problems
+    problems = _problems(["rollout.dtype=fp16"])
+    assert any("rollout.dtype" in p for p in problems), problems
+
+
+def test_a_rollout_correction_needs_pi_old_from_the_learners_pass():
+    problems = _problems(["learner.loss.rollout_correction={level: token}"])
+    assert any("old_logprobs: recompute" in p for p in problems), problems
+    cfg = load_config(None, ["learner.loss.rollout_correction={level: sequence, kind: mask}", "learner.old_logprobs=recompute"])
+    assert cfg.learner.loss.rollout_correction.kind == "mask"

@@ -31,6 +31,8 @@ def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         out["logprob_drift_mean"] = (sum(m["logprob_drift_mean"] * m["logprob_drift_tokens"] for m in per_rank) / total
                                      if total else 0.0)
         out["logprob_drift_tokens"] = total
+    if "rollout_is/weight_max" in out:  # the rollout correction's largest weight over all ranks
+        out["rollout_is/weight_max"] = max(m["rollout_is/weight_max"] for m in per_rank)
     for k in ("tokens", "tokens_computed", "tokens_per_s", *summed_over_ranks()):  # these add up over ranks
         if k in out:
             out[k] = sum(m[k] for m in per_rank)
