@@ -31,7 +31,12 @@ def test_logprob_drift_is_the_masked_mean_and_max_gap():
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     drift = _logprob_drift(sampled, recomputed, mask)
     # |gaps| on trained tokens: 0.5, 1.0, 0.25 (the −9 at an untrained position does not count)
-    assert drift == pytest.approx({"logprob_drift_mean": 1.75 / 3, "logprob_drift_max": 1.0, "logprob_drift_tokens": 3})
+    gaps = {k: v for k, v in drift.items() if k.startswith("logprob_drift")}
+    assert gaps == pytest.approx({"logprob_drift_mean": 1.75 / 3, "logprob_drift_max": 1.0, "logprob_drift_tokens": 3})
+    # and the mismatch diagnostics beside them (raggym.algorithms.rollout_correction): log ρ = −0.5, 1.0, 0.25
+    assert drift["rollout_is/kl_k1"] == pytest.approx(0.75 / 3)
+    assert set(drift) - set(gaps) == {"rollout_is/kl_k1", "rollout_is/kl_k3", "rollout_is/ppl_ratio",
+                                      "rollout_is/chi2_token", "rollout_is/chi2_seq"}
     assert _logprob_drift(None, recomputed, mask) == {}
     # across learners: the worst token overall, the mean weighted by each rank's tokens
     ranks = [{"logprob_drift_mean": 0.5, "logprob_drift_max": 1.0, "logprob_drift_tokens": 3.0, "update_seconds": 1.0},
