@@ -44,6 +44,13 @@ def _raggym_command() -> list[str]:
 API_KEY = "cli-test-" + "Hq3vN" * 6
 
 
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
 def _server_env() -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAGGYM_SERVE_API_KEY=API_KEY)
     env.pop("RAY_ADDRESS", None)  # the README command runs on its own private Ray
@@ -167,7 +174,9 @@ def test_readme_command_serves_on_the_machines_cpus_and_stops_on_sigterm(engine,
         tree = [root] + root.children(recursive=True)
         names = " ".join(p.name() for p in tree)
         assert "raylet" in names and "gcs_server" in names and "ServeReplica" in names, names
-        assert ("VLLM::EngineCore" in names) == (engine == "vllm"), names
+        # vLLM names its engine-core process (setproctitle); the command line carries the title too
+        titles = names + " " + " ".join(" ".join(_cmdline(p)) for p in tree)
+        assert ("VLLM::EngineCore" in titles) == (engine == "vllm"), [(p.pid, p.name(), _cmdline(p)) for p in tree]
 
         stop_started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
