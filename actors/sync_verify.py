@@ -39,7 +39,6 @@ import torch
 FP32_TOLERANCE = 1e-4  # the design target: mean engine-vs-learner drift per token after a sync, fp32
 REDUCED_PRECISION_TOLERANCE = 0.1  # an engine in bf16/fp16 against the learner (0.039 measured on CPU)
 FOLLOW_SHARE = 0.5  # an engine "followed" the learner when its probe moved at least this share as far
-DEFAULT_PROBE_TOKENS = 256
 
 # The probe: ordinary prose of the kinds an agent reads and writes (instructions, a passage, a search,
 # an answer), so the probe's tokens exercise the embedding rows and layers a rollout uses. Written for
@@ -74,7 +73,7 @@ class WeightSyncError(RuntimeError):
         self.worker, self.version, self.drift = int(worker), int(version), float(drift)
 
 
-def probe_token_ids(tokenizer, length: int = DEFAULT_PROBE_TOKENS) -> list[int]:
+def probe_token_ids(tokenizer, length: int) -> list[int]:
     """The first ``length`` token ids of ``PROBE_TEXT`` under ``tokenizer`` (no special tokens)."""
     ids = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
     if length < 2:
@@ -211,5 +210,5 @@ class SyncVerifier:
                 "verify_seconds": time.perf_counter() - t0}
 
 
-__all__ = ["DEFAULT_PROBE_TOKENS", "FP32_TOLERANCE", "PROBE_TEXT", "ProbeReading", "REDUCED_PRECISION_TOLERANCE",
+__all__ = ["FP32_TOLERANCE", "PROBE_TEXT", "ProbeReading", "REDUCED_PRECISION_TOLERANCE",
            "SyncVerifier", "WeightSyncError", "default_tolerance", "probe_token_ids", "read_probe"]

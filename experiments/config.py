@@ -142,7 +142,9 @@ class VerifySyncConfig:
 
     every: int = 1  # verify every N-th sync (1: all of them); 0: never
     tolerance: Optional[float] = None  # mean |engine - learner| log-prob per probe token; None: 1e-4 fp32, 0.1 bf16
-    probe_tokens: int = 128
+    # 64: a sync that misses moves every token, and the demo's steps moved the probe ≥ 72x the
+    # fp32 tolerance; 128 tokens cost 2.1 % of the demo's RL step time, 64 cost 1.3 % (benchmarks.md)
+    probe_tokens: int = 64
 
 
 @dataclass
