@@ -172,9 +172,10 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     mask = _trained(loss_mask)
     if not bool(mask.any()):
         return {}
-    log_ratio = (old_logprobs.float() - rollout_logprobs.float())[mask]  # log ρ_t
+    gap = old_logprobs.float() - rollout_logprobs.float()
+    log_ratio = gap[mask]  # log ρ_t on the trained tokens
     ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_WEIGHT))
-    per_sequence = geometric_log_weights((old_logprobs.float() - rollout_logprobs.float()) * mask, mask)[:, 0]
+    per_sequence = geometric_log_weights(gap * mask, mask)[:, 0]
     rows = mask.any(-1)
     log_ppl_old = -old_logprobs.float()[mask].mean()
     log_ppl_rollout = -rollout_logprobs.float()[mask].mean()
