@@ -776,7 +776,7 @@ def test_masked_rollout_correction_drops_rejected_tokens_from_the_loss_and_its_d
     trained = float(batch.loss_mask[:, 1:].sum())
     assert corrected[0]["rollout_is/changed_share"] == pytest.approx(3 / trained)
     assert corrected[0]["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert corrected[0]["rollout_is/kl_k1"] == pytest.approx(-5 * 3 / trained, abs=1e-4)  # E[log π_old − log π_rollout]
+    assert corrected[0]["rollout_is/kl_k1"] == pytest.approx(5 * 3 / trained, abs=1e-4)  # E[log π_rollout − log π_old]
 
 
 def test_truncated_rollout_correction_weighs_a_sequences_pg_loss(tiny_model):

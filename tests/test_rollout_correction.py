@@ -65,9 +65,11 @@ def test_the_diagnostics_by_hand():
     assert m["rollout_is/chi2_seq"] == pytest.approx(0.0, abs=1e-6)  # geometric ρ of the row is 1
     assert m["rollout_is/ppl_ratio"] == pytest.approx(1.0)
     m = mismatch_metrics(OLD[1:], ROLLOUT[1:], MASK[1:])  # ρ = 2, 2, 1
-    assert m["rollout_is/kl_k1"] == pytest.approx(2 * LN(2) / 3)
+    assert m["rollout_is/kl_k1"] == pytest.approx(-2 * LN(2) / 3)  # E[−log ρ]: negative on this one batch
     assert m["rollout_is/ppl_ratio"] == pytest.approx(math.exp(-2 * LN(2) / 3))  # π_old gives its tokens more mass
     assert m["rollout_is/chi2_seq"] == pytest.approx(4 ** (2 / 3) - 1)
+    m = mismatch_metrics(OLD, ROLLOUT, MASK)  # the perplexity ratio per sequence, then averaged
+    assert m["rollout_is/ppl_ratio"] == pytest.approx((1 + math.exp(-2 * LN(2) / 3)) / 2)  # pooled: e^(−2 ln 2 / 6)
 
 
 logprob_rows = st.lists(st.floats(-6.0, 0.0, allow_nan=False), min_size=5, max_size=5)
@@ -139,3 +141,66 @@ def test_the_correction_needs_pi_old_from_the_learners_own_pass():
     with pytest.raises(ValueError, match="set learner.old_logprobs: recompute"):
         LearnerConfig.from_dict({"loss": correction})  # default old_logprobs: rollout
     assert LearnerConfig.from_dict({"loss": correction, "old_logprobs": "recompute"}).loss.rollout_correction.enabled
+
+
+# --- parity with public implementations -------------------------------------------------------
+# The references' formulas, transcribed in our words over their [B, T] response masks (our
+# position 0, the prompt, is outside them): ms-swift's GRPO trainer (_apply_rollout_importance_sampling,
+# _compute_rollout_offpolicy_metrics) and verl's trainer/ppo/rollout_corr_helper.py
+# (compute_offpolicy_metrics; its sequence level is the product). Both clamp log-ratios at ±20.
+
+def _masked_mean(x, mask, dim=None):
+    return (x * mask).sum() / mask.sum() if dim is None else (x * mask).sum(dim) / mask.sum(dim)
+
+
+def reference_weights(log_ratio, mask, mode, c):
+    ratio = torch.exp(log_ratio.clamp(-20, 20))
+    if mode == "ms-swift token_truncate":
+        return ratio.clamp(max=c)
+    if mode == "ms-swift sequence_truncate":  # its sequence ratio: the geometric mean
+        return torch.exp(_masked_mean(log_ratio, mask, -1)).clamp(max=c).unsqueeze(-1).expand_as(ratio)
+    if mode == "verl sequence truncate":  # Π ρ
+        return torch.exp((log_ratio * mask).sum(-1).clamp(-20, 20)).clamp(max=c).unsqueeze(-1).expand_as(ratio)
+    raise ValueError(mode)
+
+
+def reference_metrics(old, rollout, mask):
+    log_ratio = (old - rollout) * mask
+    per_seq_gap = _masked_mean(rollout, mask, -1) - _masked_mean(old, mask, -1)
+    return {"rollout_is/kl_k1": float(_masked_mean(rollout - old, mask)),  # verl
+            "rollout_is/kl_k3": float(_masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask)),  # verl, ms-swift
+            "rollout_is/ppl_ratio": float(torch.exp(per_seq_gap).mean()),  # verl, ms-swift
+            "rollout_is/chi2_token": float(_masked_mean(torch.exp(log_ratio.clamp(-20, 20)) ** 2, mask) - 1),
+            "rollout_is/chi2_seq": float((torch.exp(_masked_mean(log_ratio, mask, -1)) ** 2).mean() - 1)}  # ms-swift
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(logprob_rows, min_size=3, max_size=3), st.lists(logprob_rows, min_size=3, max_size=3),
+       st.floats(1.05, 4.0))
+def test_weights_and_diagnostics_match_the_public_references(old, rollout, threshold):
+    old, rollout = torch.tensor(old), torch.tensor(rollout)
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    response = loss_mask.float()  # position 0 is never trained, so the masks agree
+    log_ratio = (old - rollout) * response
+    ours = {level: rollout_correction(old, rollout, loss_mask, RolloutCorrectionConfig(level, "truncate", threshold))
+            for level in ("token", "geometric", "sequence")}
+    for level, mode in (("token", "ms-swift token_truncate"), ("geometric", "ms-swift sequence_truncate"),
+                        ("sequence", "verl sequence truncate")):
+        expected = reference_weights(log_ratio, response, mode, threshold)
+        kept = loss_mask.bool()
+        torch.testing.assert_close(ours[level].weights[kept], expected[kept], rtol=1e-5, atol=1e-6)
+    m, ref = mismatch_metrics(old, rollout, loss_mask), reference_metrics(old, rollout, response)
+    assert m == pytest.approx(ref, rel=1e-4, abs=1e-6)
+
+
+def test_slime_657s_example_rejects_three_tokens_and_counts_two():
+    # slime #657's worked case: log-ratios [0.1, −1.5, 0.8, −10, 0.3] under a mask of [0.5, 2.0];
+    # tokens 1-3 are rejected, so the loss is a mean over the 2 kept tokens, not over 5
+    log_ratio = torch.tensor([[0.0, 0.1, -1.5, 0.8, -10.0, 0.3]])  # our position 0 is the prompt
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    c = rollout_correction(log_ratio, torch.zeros_like(log_ratio), mask, RolloutCorrectionConfig("token", "mask", 2.0))
+    assert c.keep.tolist() == [[False, True, False, False, False, True]]
+    assert c.weights[0, [1, 5]].tolist() == pytest.approx([math.exp(0.1), math.exp(0.3)])
+    logp = log_ratio.clone().requires_grad_(True)  # ρ = π/π_old = 1 at the first step
+    loss, _ = clipped_policy_loss(logp, log_ratio, torch.tensor([1.0]), c.keep.float(), token_weights=c.weights)
+    assert float(loss.detach()) == pytest.approx(-(math.exp(0.1) + math.exp(0.3)) / 2)

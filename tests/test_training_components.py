@@ -34,7 +34,7 @@ def test_logprob_drift_is_the_masked_mean_and_max_gap():
     gaps = {k: v for k, v in drift.items() if k.startswith("logprob_drift")}
     assert gaps == pytest.approx({"logprob_drift_mean": 1.75 / 3, "logprob_drift_max": 1.0, "logprob_drift_tokens": 3})
     # and the mismatch diagnostics beside them (raggym.algorithms.rollout_correction): log ρ = −0.5, 1.0, 0.25
-    assert drift["rollout_is/kl_k1"] == pytest.approx(0.75 / 3)
+    assert drift["rollout_is/kl_k1"] == pytest.approx(-0.75 / 3)  # E[−log ρ]
     assert set(drift) - set(gaps) == {"rollout_is/kl_k1", "rollout_is/kl_k3", "rollout_is/ppl_ratio",
                                       "rollout_is/chi2_token", "rollout_is/chi2_seq"}
     assert _logprob_drift(None, recomputed, mask) == {}

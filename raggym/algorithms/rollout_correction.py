@@ -22,9 +22,18 @@ and one of two controls of the large weights (``kind``):
 
 ``C`` = ``threshold`` (2.0 as in ms-swift); ``hi`` = ``threshold`` and ``lo`` = ``lower`` (default
 1 / threshold). The weights carry no gradient. ``mismatch_metrics`` gives the diagnostics logged
-every step whether or not a correction is on: KL(π_old ‖ π_rollout) estimated on the rollout's
-samples by k1 (E[log ρ]) and k3 (E[ρ − 1 − log ρ], never negative), the perplexity ratio
-PPL_old / PPL_rollout, and χ² = E[ρ²] − 1 per token and per sequence (geometric ρ).
+every step whether or not a correction is on. The tokens were sampled from π_rollout, so both KL
+estimators estimate KL(π_rollout ‖ π_old): k1 = E[−log ρ] (unbiased, either sign on one batch) and
+k3 = E[ρ − 1 − log ρ] (never negative); the perplexity ratio PPL_old / PPL_rollout per sequence,
+averaged over sequences; χ² = E[ρ²] − 1 per token, and per sequence with each sequence's geometric ρ.
+
+Parity (tests/test_rollout_correction.py transcribes the references' formulas): the weights of
+``token`` and ``geometric`` are ms-swift's ``token_truncate`` and ``sequence_truncate`` (ms-swift's
+sequence ratio is the geometric mean), ``sequence`` is verl's sequence-level product; k1, k3,
+the perplexity ratio and χ² per token are verl's ``compute_offpolicy_metrics`` (ms-swift's k1 has
+the opposite sign), χ² per sequence is ms-swift's (verl's uses the product). ``mask`` rejects
+outside [lo, hi] and drops the token from the denominator, as slime #657 and verl do; ms-swift's
+``token_mask`` zeroes the weight and keeps the token in the denominator.
 """
 
 from __future__ import annotations
@@ -177,12 +186,12 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_WEIGHT))
     per_sequence = geometric_log_weights(gap * mask, mask)[:, 0]
     rows = mask.any(-1)
-    log_ppl_old = -old_logprobs.float()[mask].mean()
-    log_ppl_rollout = -rollout_logprobs.float()[mask].mean()
+    # log(PPL_old / PPL_rollout) of a sequence = −(its mean log ρ): mean_t log π_rollout − mean_t log π_old
+    log_ppl_ratio = -per_sequence[rows]
     return {
-        "rollout_is/kl_k1": float(log_ratio.mean()),  # E_rollout[log ρ]
+        "rollout_is/kl_k1": float(-log_ratio.mean()),  # E_rollout[−log ρ]
         "rollout_is/kl_k3": float((ratio - 1 - log_ratio).mean()),  # E_rollout[ρ − 1 − log ρ]
-        "rollout_is/ppl_ratio": float(torch.exp(log_ppl_old - log_ppl_rollout)),  # PPL_old / PPL_rollout
+        "rollout_is/ppl_ratio": float(torch.exp(log_ppl_ratio).mean()),  # mean over sequences of PPL_old / PPL_rollout
         "rollout_is/chi2_token": float((ratio ** 2).mean() - 1),  # E[ρ_t²] − 1
         "rollout_is/chi2_seq": float(torch.exp(2 * per_sequence[rows].clamp(max=_MAX_LOG_WEIGHT / 2)).mean() - 1),
     }
