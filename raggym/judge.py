@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
+from raggym.text_metrics import exact_match, token_f1
+
 CORRECTNESS_RULES = ("em", "f1", "em_or_f1")
 
 JUDGE_PROMPT = (
@@ -51,9 +53,6 @@ def lexical_correct(prediction: str | None, gold_answers: Sequence[str], rule: s
         raise ValueError(f"correctness rule must be one of {', '.join(CORRECTNESS_RULES)}, got {rule!r}")
     if prediction is None:
         return False
-    # imported here: raggym.rewards imports this module, and its package init would come first
-    from raggym.rewards.metrics import exact_match, token_f1
-
     em_ok = exact_match(prediction, gold_answers) == 1.0
     if rule == "em":
         return em_ok

@@ -1,7 +1,7 @@
 """Metrics and the rewards of the five methods, as pure functions of episode records.
 
 * ``metrics`` — EM, cover-EM, token F1 and recall, evidence overlap (EO), unsupported-answer rate
-  (defined in ``text_metrics``), and ``outcome_metrics`` for a whole episode.
+  (defined in ``raggym.text_metrics``), and ``outcome_metrics`` for a whole episode.
 * ``routerag``, ``pathrouter``, ``lws``, ``graphrag_r1``, ``r1_router`` — one module per paper,
   each with its equations and citation in the docstring.
 * ``schedules`` — training step → reward function for the staged methods.

@@ -1,9 +1,11 @@
 """Every metric the rewards and the evaluation harness read, in one place.
 
 The answer and evidence metrics on texts (EM, cover-EM, token F1 and recall, evidence overlap,
-unsupported-answer rate; definitions in ``raggym.rewards.text_metrics``) are re-exported here,
-next to the episode-level ones below, which read an ``EpisodeOutcome``. The text metrics live in
-their own module because ``EpisodeOutcome`` computes EM, F1 and EO with them.
+unsupported-answer rate; definitions in ``raggym.text_metrics``) are re-exported here, next to
+the episode-level ones below, which read an ``EpisodeOutcome``. The text metrics live outside this
+package because ``EpisodeOutcome`` and the judge (``raggym.judge``, which the LWS reward imports)
+compute with them: a module of this package would run the package's init, and so the judge's
+importers, first.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from raggym.rewards.outcome import EpisodeOutcome
 
 # Re-exported: the rewards and the evaluation harness import the text metrics from here.
-from raggym.rewards.text_metrics import (  # noqa: F401
+from raggym.text_metrics import (  # noqa: F401
     answer_tokens,
     cover_exact_match,
     evidence_overlap,

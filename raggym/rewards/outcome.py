@@ -59,7 +59,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
-from raggym.rewards import text_metrics
+from raggym import text_metrics
 
 
 def _tuple_of_str(values: Any) -> tuple[str, ...]:
