@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from actors.cluster import resolve_actors
 from envs.rollout import EpisodeRequest, MultiTurnRollout, RolloutConfig
-from envs.stepping import RetrievalRequest
+from envs.stepping import RetrievalGroup, RetrievalRequest, check_answer_count, retrieval_groups, run_retrieval
 
 
 class ServiceRetriever:
@@ -56,7 +56,6 @@ class RayBackend:
             raise ValueError("RayBackend needs at least one rollout worker")
         self.workers = list(rollout_workers)
         self._next_worker = itertools.cycle(range(len(self.workers)))
-        self._expand: dict[Any, list[tuple[int, int, int]]] = {}
         self._session_api = [_has_method(w, "generate_async") for w in self.workers]
         self._adapters: dict[int, Any] = {}
         self._session_worker: dict[str, int] = {}
@@ -113,56 +112,26 @@ class RayBackend:
             self._adapters[index].end_session(session_id)
 
     async def retrieve(self, requests: Sequence[RetrievalRequest]) -> list:
+        """One ``retrieve_groups`` call per service for the batch, its groups by (mode, k).
+
+        The rollout loop's batcher has already folded identical requests (``envs.retrieval_memo``),
+        so every query goes out as it came."""
+        requests = list(requests)
         if not all(isinstance(r.retriever, ServiceRetriever) for r in requests):
-            from envs.stepping import run_retrieval
-
-            return await asyncio.to_thread(run_retrieval, list(requests))  # envs with in-process retrievers
-        ref = self._submit_retrieve(requests)
-        return self._expanded(ref, await ref)
-
-    def _submit_retrieve(self, requests: Sequence[RetrievalRequest]):
-        # One call per service and batch: group by (mode, k), deduplicate identical queries.
-        by_service: dict[int, Any] = {}
-        groups: dict[int, dict[tuple[str, int], dict[str, int]]] = {}
-        for r in requests:
-            service = r.retriever.service
-            by_service.setdefault(id(service), service)
-            key = (r.mode, int(r.k))
-            queries = groups.setdefault(id(service), {}).setdefault(key, {})
-            queries.setdefault(r.query, len(queries))
-        refs, offsets = [], {}
-        for sid, service_groups in groups.items():
-            keys = list(service_groups)
-            offsets.update({(sid, key): (len(refs), i) for i, key in enumerate(keys)})
-            refs.append(by_service[sid].retrieve_groups.remote([(m, k, list(service_groups[(m, k)])) for m, k in keys]))
-        plan = []
-        for r in requests:
-            sid, key = id(r.retriever.service), (r.mode, int(r.k))
-            call, group = offsets[(sid, key)]
-            plan.append((call, group, groups[sid][key][r.query]))
-        ref = refs[0] if len(refs) == 1 else _gather.remote(*refs)
-        self._expand[ref] = [(0, g, i) for _, g, i in plan] if len(refs) == 1 else plan
-        return ref
-
-    def _expanded(self, future, value):
-        """Per request, its result out of the grouped answers of ``_submit_retrieve``'s calls."""
-        plan = self._expand.pop(future, None)
-        if plan is None:
-            return value
-        calls = [value] if not isinstance(value, tuple) else list(value)
-        return [calls[c][g][i] for c, g, i in plan]
-
-
-def _gather_impl(*values):
-    return tuple(values)
-
-
-try:  # a tiny task that joins several services' answers into one future
-    import ray as _ray
-
-    _gather = _ray.remote(num_cpus=0)(_gather_impl)
-except ImportError:  # pragma: no cover - Ray is a hard dependency of this layer
-    _gather = None
+            return await asyncio.to_thread(run_retrieval, requests)  # envs with in-process retrievers
+        by_service: dict[int, list[RetrievalGroup]] = {}
+        for group in retrieval_groups(requests):
+            by_service.setdefault(id(group.retriever.service), []).append(group)
+        calls = [groups[0].retriever.service.retrieve_groups.remote(
+                     [(g.mode, g.k, [requests[i].query for i in g.members]) for g in groups])
+                 for groups in by_service.values()]
+        results: list = [None] * len(requests)
+        for groups, answered in zip(by_service.values(), await asyncio.gather(*calls)):
+            for group, answers in zip(groups, answered):
+                check_answer_count(group.retriever, answers, len(group.members))
+                for i, answer in zip(group.members, answers):
+                    results[i] = answer
+        return results
 
 
 class EnvRunner:

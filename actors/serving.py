@@ -505,10 +505,11 @@ def make_deployments():
             self.retrieve.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
 
         def _run(self, items):
+            from envs.retrieval_memo import retrieve_distinct
             from envs.stepping import RetrievalRequest, run_retrieval
 
             requests = [RetrievalRequest(None, self.retriever, mode, k, q, "", None) for q, mode, k in items]
-            return run_retrieval(requests)  # one retrieve per (mode, k), identical queries once
+            return retrieve_distinct(requests, run_retrieval)  # one retrieve per (mode, k), identical queries once
 
         @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=_CONCURRENT_BATCHES)
         async def retrieve(self, items: list[tuple[str, str, int]]):

@@ -2,7 +2,8 @@
 
 ``step_batch`` runs the first half of the batched-step protocol (``envs.stepping``) for all
 episodes, sends every pending query to its retriever in one ``retrieve`` call per (retriever,
-mode, k) group, with identical queries deduplicated, then runs the second half. Rollout workers
+mode, k) group, identical requests once (``envs.retrieval_memo.retrieve_distinct``), then runs the
+second half. Rollout workers
 use it so that graph retrieval (batched personalised PageRank) sees whole batches instead of
 single queries. If a retriever raises, no environment has been changed by its pending request, so
 the caller may retry the same ``step_batch``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from envs.retrieval_memo import retrieve_distinct
 from envs.stepping import RetrievalRequest, StepResult, run_retrieval
 from envs.wrappers import batched_step_env
 
@@ -44,7 +46,7 @@ def step_batch(envs: Sequence[Any], actions: Sequence[str]) -> list[StepResult]:
         else:
             results[i] = outcome
     if pending:
-        fetched = run_retrieval([req for _, req in pending])
+        fetched = retrieve_distinct([req for _, req in pending], run_retrieval)
         for (i, req), query_result in zip(pending, fetched):
             # The object whose begin_step issued the request finishes it, so wrappers see it too.
             results[i] = stepping[i].finish_step(req, query_result)

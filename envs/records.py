@@ -90,12 +90,34 @@ class EpisodeRecordBase:
         raise NotImplementedError
 
     def outcome(self):
-        """This episode as a ``raggym.rewards.outcome.EpisodeOutcome``."""
+        """This episode as a ``raggym.rewards.outcome.EpisodeOutcome``, built from the record's own
+        fields (no dict in between; ``EpisodeOutcome.from_dict(self.as_dict())`` gives the same)."""
         # Imported on first use: the raggym.rewards package pulls in torch, which stepping an
         # environment does not need.
         from raggym.rewards.outcome import EpisodeOutcome
 
-        return EpisodeOutcome.from_dict(self.as_dict())
+        queries, modes, retrievals = self._retrievals()
+        return EpisodeOutcome(
+            answer=self.answer, gold_answers=self.question.answers, queries=queries,
+            modes=modes if any(m is not None for m in modes) else (),  # a dialect without modes
+            retrieved_ids=[r.retrieved_ids for r in retrievals], retrieved_texts=[r.retrieved_texts for r in retrievals],
+            retrieval_seconds=self.retrieval_seconds, retrieval_cost=self.retrieval_cost, truncated=self.truncated,
+            format_ok=self._format_ok(), gold_passages=self.gold_passages, prompt_id=self.question.id,
+            response_text=self._outcome_response_text(), steps=self._outcome_steps(), env_reward=self.reward,
+            question=self.question.question)
+
+    # What ``outcome`` reads, per record kind.
+    def _retrievals(self) -> tuple[list, list, list]:
+        raise NotImplementedError
+
+    def _format_ok(self) -> bool:
+        raise NotImplementedError
+
+    def _outcome_response_text(self) -> str:
+        return ""
+
+    def _outcome_steps(self) -> tuple[dict, ...]:
+        return ()
 
     # The pieces of ``as_dict`` both records share, each in the key order the records emit.
 
@@ -176,15 +198,24 @@ class EpisodeRecord(EpisodeRecordBase):
             return FormatCheck(False, reason, check.structure, check.num_searches)
         return check
 
-    def as_dict(self) -> dict[str, Any]:
+    def _retrievals(self) -> tuple[list, list, list]:
         retrievals = self.retrieval_turns()
+        return [t.query for t in retrievals], [t.mode for t in retrievals], retrievals
+
+    def _format_ok(self) -> bool:
+        return self.format_check().ok
+
+    def _outcome_response_text(self) -> str:
+        return self.response_text()
+
+    def as_dict(self) -> dict[str, Any]:
         check = self.format_check()
         return {
             **self._question_fields(),
             "dialect": self.dialect.name,
             "prompt": self.prompt,
             **self._outcome_fields(num_turns=len(self.turns)),
-            **_retrieval_fields([t.query for t in retrievals], [t.mode for t in retrievals], retrievals),
+            **_retrieval_fields(*self._retrievals()),
             "format_ok": check.ok,
             "format_reason": check.reason,
             "response_text": self.response_text(),
@@ -276,16 +307,23 @@ class RouteEpisodeRecord(EpisodeRecordBase):
     def all_retrieved_texts(self) -> list[str]:
         return [text for s in self.steps for text in s.retrieved_texts]
 
-    def as_dict(self) -> dict[str, Any]:
+    def _retrievals(self) -> tuple[list, list, list]:
         retrievals = self.retrieval_steps()
+        return [s.sub_question for s in retrievals], [s.knowledge_base for s in retrievals], retrievals
+
+    def _format_ok(self) -> bool:
+        return self.num_format_errors == 0 and self.answer is not None
+
+    def _outcome_steps(self) -> tuple[dict, ...]:
+        return tuple(s.as_dict() for s in self.steps)
+
+    def as_dict(self) -> dict[str, Any]:
         return {
             **self._question_fields(),
             "dialect": "r1_router",
             **self._outcome_fields(),
-            **_retrieval_fields(
-                [s.sub_question for s in retrievals], [s.knowledge_base for s in retrievals], retrievals
-            ),
-            "format_ok": self.num_format_errors == 0 and self.answer is not None,
+            **_retrieval_fields(*self._retrievals()),
+            "format_ok": self._format_ok(),
             "teacher_forced_phase": self.teacher_forced_phase,
             "golden_prefix": self.golden_prefix,
             "golden_step_index": self.golden_step_index,

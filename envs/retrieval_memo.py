@@ -18,8 +18,9 @@ Served answers are the very ``QueryResult`` objects the retriever returned for t
 request, so an episode served from the memo records what a retrieval of its own would have
 returned (hits, facts, and the ``seconds`` and ``cost`` of that retrieval). Environments only
 read a ``QueryResult`` (``finish_step`` copies what it keeps into tuples of its record), which is
-what makes sharing one object safe; the within-batch de-duplication of ``envs.stepping.run_retrieval``
-has always shared it the same way.
+what makes sharing one object safe. The memo is the one place where identical retrievals are
+folded: the rollout loop's batcher keeps one per step, and ``retrieve_distinct`` gives a batch
+outside the loop (``envs.batching.step_batch``, the served retriever) the same folding.
 
 The memo stores opaque entries (the batcher stores one ``asyncio.Future`` per key) and counts:
 
@@ -33,7 +34,7 @@ Once every batch is out, ``requests == unique + memo_hits + batch_duplicates``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 COUNTERS = ("retrieval_requests", "retrieval_unique", "retrieval_memo_hits", "retrieval_batch_duplicates")
 
@@ -95,4 +96,16 @@ class RetrievalMemo:
         return dict(zip(COUNTERS, (self.requests, self.unique, self.memo_hits, self.batch_duplicates)))
 
 
-__all__ = ["COUNTERS", "RetrievalMemo"]
+def retrieve_distinct(requests: Sequence, retrieve: Callable[[list], Sequence]) -> list:
+    """``retrieve`` (a batch call, one answer per request) on the distinct requests of one batch;
+    every request gets the answer of the first request identical to it."""
+    owners = RetrievalMemo().fold(requests)
+    sent = [i for i, owner in enumerate(owners) if owner == i]
+    answers = list(retrieve([requests[i] for i in sent]))
+    if len(answers) != len(sent):
+        raise RuntimeError(f"retrieval returned {len(answers)} results for {len(sent)} requests")
+    by_owner = dict(zip(sent, answers))
+    return [by_owner[owner] for owner in owners]
+
+
+__all__ = ["COUNTERS", "RetrievalMemo", "retrieve_distinct"]

@@ -29,7 +29,10 @@ top of two methods a subclass writes (``begin_step``/``finish_step``) plus
 ``_truncation_result``. Wrappers that change step results subclass ``envs.BatchedStepWrapper``.
 
 ``run_retrieval`` sends the pending queries of many episodes in one ``retrieve`` call per
-(retriever, mode, k) group; ``envs.batching.step_batch`` drives a whole batch of episodes with it.
+(retriever, mode, k) group (``retrieval_groups``); ``envs.batching.step_batch`` drives a whole
+batch of episodes with it. It sends what it is given: identical requests are folded before, in one
+place, ``envs.retrieval_memo.RetrievalMemo`` (the rollout loop's per-step batcher, or
+``retrieve_distinct`` for a batch outside it).
 """
 
 from __future__ import annotations
@@ -68,27 +71,39 @@ class RetrievalRequest(NamedTuple):
     action: Action
 
 
+class RetrievalGroup(NamedTuple):
+    """Requests that one ``retrieve`` call answers: the same retriever object, mode and ``k``."""
+
+    retriever: Any
+    mode: str
+    k: int
+    members: list[int]  # their indices in the batch, in order
+
+
+def retrieval_groups(requests: Sequence[RetrievalRequest]) -> list[RetrievalGroup]:
+    """The requests by (retriever, mode, k), groups and members in the order they first appear."""
+    groups: dict[tuple[int, str, int], RetrievalGroup] = {}
+    for i, req in enumerate(requests):
+        key = (id(req.retriever), str(req.mode), int(req.k))
+        if key not in groups:
+            groups[key] = RetrievalGroup(req.retriever, key[1], key[2], [])
+        groups[key].members.append(i)
+    return list(groups.values())
+
+
+def check_answer_count(retriever: Any, answers: Sequence, queries: int) -> None:
+    if len(answers) != queries:
+        raise RuntimeError(f"{type(retriever).__name__}.retrieve returned {len(answers)} results for {queries} queries")
+
+
 def run_retrieval(requests: Sequence[RetrievalRequest]) -> list:
     """One ``QueryResult`` per request, calling each retriever once per (mode, k) group."""
-    groups: dict[tuple[int, str, int], list[int]] = {}
-    for i, req in enumerate(requests):
-        groups.setdefault((id(req.retriever), req.mode, req.k), []).append(i)
     results: list = [None] * len(requests)
-    for (_, mode, k), members in groups.items():
-        retriever = requests[members[0]].retriever
-        # Episodes of one GRPO group often issue the same query; retrieve it once.
-        unique: dict[str, int] = {}
-        for i in members:
-            unique.setdefault(requests[i].query, len(unique))
-        queries = list(unique)
-        answers = list(retriever.retrieve(queries, mode, k))
-        if len(answers) != len(queries):
-            raise RuntimeError(
-                f"{type(retriever).__name__}.retrieve returned {len(answers)} results for "
-                f"{len(queries)} queries"
-            )
-        for i in members:
-            results[i] = answers[unique[requests[i].query]]
+    for group in retrieval_groups(requests):
+        answers = list(group.retriever.retrieve([requests[i].query for i in group.members], group.mode, group.k))
+        check_answer_count(group.retriever, answers, len(group.members))
+        for i, answer in zip(group.members, answers):
+            results[i] = answer
     return results
 
 

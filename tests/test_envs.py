@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import SyncVectorEnv
+from hypothesis import given, settings, strategies as st
 
 import envs
 from envs import EpisodeRecord, RagSearchEnv, UnicodeText, step_batch
 from raggym.data.types import Corpus, Question
 from raggym.protocol import get_dialect
 from raggym.retrieval.base import QueryResult
+from raggym.rewards.outcome import EpisodeOutcome
 from test_envs_support import PASSAGES, QUESTIONS, KeywordRetriever, make_retriever
 
 NOLAN, FRANCE = QUESTIONS
@@ -532,3 +534,33 @@ def test_allowed_modes_are_validated():
         RagSearchEnv(make_retriever(), qs, dialect="search_r1", allowed_modes=("passage", "graph"))
     env = RagSearchEnv(make_retriever(), qs, dialect="search_r1", allowed_modes=("graph",))
     assert env.search_mode == "graph"
+
+
+# ------------------------------------------------ the typed outcome, built from the record itself
+
+SEGMENTS = {
+    "routerag": [SEARCH_GRAPH, SEARCH_PASSAGE, ANSWER_LONDON, "<think>no tags",
+                 "<think>both</think><search> [graph][passage] Nolan Inception </search>"],
+    "search_r1": ["<think>who</think><search> director of Inception </search>", ANSWER_LONDON, "<answer> Paris",
+                  "<search> Christopher Nolan born </search>"],
+}
+
+
+@given(dialect=st.sampled_from(sorted(SEGMENTS)), picks=st.lists(st.integers(0, 4), min_size=1, max_size=6),
+       question=st.sampled_from(QUESTIONS), budget=st.integers(1, 3))
+@settings(max_examples=60, deadline=None)
+def test_the_records_outcome_equals_the_one_its_dict_gives(dialect, picks, question, budget):
+    """``record.outcome()`` reads the record's fields directly; the public ``from_dict`` over the
+    record's ``as_dict()`` (the spelling external records use) must agree field for field, for
+    searches, answers, format errors, an exhausted budget and a dialect without modes."""
+    env = make_env(dialect=dialect, retrieval_budget=budget, corpus=Corpus(PASSAGES))
+    env.reset(seed=0, options={"question": question})
+    segments = SEGMENTS[dialect]
+    for pick in picks:
+        *_, terminated, truncated, _ = env.step(segments[pick % len(segments)])
+        if terminated or truncated:
+            break
+    else:
+        env.truncate("response_tokens")
+    record = env.record
+    assert record.outcome() == EpisodeOutcome.from_dict(record.as_dict())

@@ -10,9 +10,11 @@ import gymnasium
 import pytest
 from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import SyncVectorEnv
+from hypothesis import given, settings, strategies as st
 
 from envs import MultiKBRouteEnv, step_batch
 from raggym.data.types import Passage
+from raggym.rewards.outcome import EpisodeOutcome
 from test_envs_support import QUESTIONS, KeywordRetriever, make_retriever
 
 NOLAN, FRANCE = QUESTIONS
@@ -449,3 +451,29 @@ def test_answers_without_think_are_accepted_but_score_no_answer_reward():
     no_routes = lambda texts: np.zeros((0, 2))  # noqa: E731  (answer steps embed nothing)
     # R_mid = r_format · recall: 1 · 1 with <think>, 0 · 1 without; R_final = r_format · accuracy likewise
     assert r1_router_step_rewards(outcomes, no_routes) == pytest.approx([1.0, 0.0, 1.0, 0.0])
+
+
+ROUTE_SEGMENTS = [route("Who directed Inception?", "Table Retriever"), answer("Christopher Nolan"),
+                  route("Where was Christopher Nolan born?", "Text Retriever"), STOP, answer("London"),
+                  "<ret>no sub-question", answer("")]
+
+
+@given(picks=st.lists(st.integers(0, len(ROUTE_SEGMENTS) - 1), min_size=1, max_size=8),
+       question=st.sampled_from(QUESTIONS), teacher_forced=st.integers(-1, 4))
+@settings(max_examples=60, deadline=None)
+def test_the_route_records_outcome_equals_the_one_its_dict_gives(picks, question, teacher_forced):
+    """As for ``RagSearchEnv``: the record's own ``outcome()`` and ``from_dict(as_dict())`` agree, for
+    free-running episodes (routes, answers, malformed steps, the stop route) and teacher-forced steps."""
+    if teacher_forced >= 0:
+        env, *_ = forced(MultiKBRouteEnv.golden_step_options(NOLAN)[teacher_forced])
+    else:
+        env = make_env()
+        env.reset(seed=0, options={"question": question})
+    for pick in picks:
+        *_, terminated, truncated, _ = env.step(ROUTE_SEGMENTS[pick])
+        if terminated or truncated:
+            break
+    else:
+        env.truncate("response_tokens")
+    record = env.record
+    assert record.outcome() == EpisodeOutcome.from_dict(record.as_dict())

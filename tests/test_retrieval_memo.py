@@ -17,9 +17,11 @@ import pytest
 
 from actors.engines import make_engine
 from envs import RagSearchEnv
-from envs.retrieval_memo import COUNTERS, RetrievalMemo
+from envs.batching import step_batch
+from envs.retrieval_memo import COUNTERS, RetrievalMemo, retrieve_distinct
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RetrievalBatcher, RolloutConfig
-from envs.stepping import RetrievalRequest, run_retrieval
+from envs.stepping import RetrievalRequest, retrieval_groups, run_retrieval
+from hypothesis import given, strategies as st
 from actors.runtime import group_chunks
 from raggym.data.types import Question
 from test_envs_support import PASSAGES, make_retriever
@@ -67,6 +69,60 @@ def test_fold_sends_each_distinct_request_of_a_batch_once():
     assert memo.fold(batch) == [0, 1, 0, 3, 1]
     assert memo.counts() == {"retrieval_requests": 5, "retrieval_unique": 3, "retrieval_memo_hits": 0,
                              "retrieval_batch_duplicates": 2}
+
+
+# ------------------------------------------- one place folds identical requests: the memo
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["passage", "graph"]), st.integers(1, 3),
+                          st.sampled_from(["a", "b", "c"])), max_size=12))
+def test_retrieval_groups_partition_a_batch_by_retriever_mode_and_k_in_order(picks):
+    retrievers = [make_retriever() for _ in range(3)]
+    batch = [_request(retrievers[r], query=q, mode=m, k=k) for r, m, k, q in picks]
+    groups = retrieval_groups(batch)
+    assert sorted(i for g in groups for i in g.members) == list(range(len(batch)))
+    for g in groups:
+        assert g.members == sorted(g.members)
+        assert all((batch[i].retriever, batch[i].mode, batch[i].k) == (g.retriever, g.mode, g.k) for i in g.members)
+    assert len({(id(g.retriever), g.mode, g.k) for g in groups}) == len(groups)
+    assert [g.members[0] for g in groups] == sorted(g.members[0] for g in groups)  # first-seen order
+
+
+def test_run_retrieval_sends_what_it_is_given_one_call_per_group():
+    a = make_retriever()
+    batch = [_request(a), _request(a, mode="graph"), _request(a), _request(a, query="Inception director")]
+    results = run_retrieval(batch)
+    # no folding here: identical requests are folded before (the memo), so the duplicate goes out
+    assert a.calls == [(("capital London Jaws", "capital London Jaws", "Inception director"), "passage", 2),
+                       (("capital London Jaws",), "graph", 2)]
+    assert len(results) == 4 and [h.id for h in results[0].hits] == [h.id for h in results[2].hits]
+
+
+def test_retrieve_distinct_asks_each_distinct_request_once_and_answers_every_request():
+    a, b = make_retriever(), make_retriever()
+    batch = [_request(a), _request(b), _request(a), _request(a, k=3), _request(b), _request(a)]
+    asked: list[list[RetrievalRequest]] = []
+
+    def retrieve(requests):
+        asked.append(list(requests))
+        return [f"{id(r.retriever)}/{r.mode}/{r.k}/{r.query}" for r in requests]
+
+    answers = retrieve_distinct(batch, retrieve)
+    assert asked == [[batch[0], batch[1], batch[3]]]
+    assert answers == [f"{id(r.retriever)}/{r.mode}/{r.k}/{r.query}" for r in batch]
+    with pytest.raises(RuntimeError, match="2 results for 3 requests"):
+        retrieve_distinct(batch, lambda requests: ["one", "two"])
+
+
+def test_step_batch_retrieves_a_query_two_episodes_share_once():
+    retriever = make_retriever()
+    envs = [RagSearchEnv(questions=[QUESTION], retriever=retriever, top_k=2) for _ in range(3)]
+    for env in envs:
+        env.reset(seed=0)
+    search = SEARCH_THEN_ANSWER[0].format(question=QUESTION.question)
+    other = "<think>look</think>\n<search> [passage] Inception director </search>"
+    results = step_batch(envs, [search, other, search])
+    assert retriever.calls == [((QUESTION.question, "Inception director"), "passage", 2)]
+    assert results[0].observation == results[2].observation != results[1].observation
 
 
 # ----------------------------------------------------------------------------- the batcher
