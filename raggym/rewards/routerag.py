@@ -38,7 +38,6 @@ from typing import Sequence
 
 import numpy as np
 
-from raggym.rewards.metrics import exact_match
 from raggym.rewards.outcome import EpisodeOutcome
 
 TIME_SOURCES = ("seconds", "cost")
@@ -99,8 +98,8 @@ def batch_centered_efficiency(
 
 
 def routerag_stage1_reward(outcome: EpisodeOutcome) -> float:
-    """Stage 1: R = EM."""
-    return exact_match(outcome.answer, outcome.gold_answers)
+    """Stage 1: R = EM (the outcome's cached EM, which the step metrics read too)."""
+    return outcome.em
 
 
 def routerag_stage2_rewards(
@@ -113,7 +112,7 @@ def routerag_stage2_rewards(
     )
     rewards = []
     for outcome, r_eff in zip(outcomes, efficiency):
-        em = exact_match(outcome.answer, outcome.gold_answers)
+        em = outcome.em
         rewards.append(em + float(r_eff) if em == 1.0 else 0.0)  # R = EM + R_eff if EM = 1 else 0
     return rewards
 
