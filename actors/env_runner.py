@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from actors.cluster import resolve_actors
 from envs.rollout import EpisodeRequest, MultiTurnRollout, RolloutConfig
-from envs.stepping import RetrievalGroup, RetrievalRequest, check_answer_count, retrieval_groups, run_retrieval
+from envs.stepping import RetrievalGroup, RetrievalRequest, place_answers, retrieval_groups, run_retrieval
 
 
 class ServiceRetriever:
@@ -125,13 +125,9 @@ class RayBackend:
         calls = [groups[0].retriever.service.retrieve_groups.remote(
                      [(g.mode, g.k, [requests[i].query for i in g.members]) for g in groups])
                  for groups in by_service.values()]
-        results: list = [None] * len(requests)
-        for groups, answered in zip(by_service.values(), await asyncio.gather(*calls)):
-            for group, answers in zip(groups, answered):
-                check_answer_count(group.retriever, answers, len(group.members))
-                for i, answer in zip(group.members, answers):
-                    results[i] = answer
-        return results
+        per_service = await asyncio.gather(*calls)  # each service's answers, one list per group
+        groups = [g for service_groups in by_service.values() for g in service_groups]
+        return place_answers(groups, [answers for answered in per_service for answers in answered], len(requests))
 
 
 class EnvRunner:

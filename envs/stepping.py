@@ -91,20 +91,23 @@ def retrieval_groups(requests: Sequence[RetrievalRequest]) -> list[RetrievalGrou
     return list(groups.values())
 
 
-def check_answer_count(retriever: Any, answers: Sequence, queries: int) -> None:
-    if len(answers) != queries:
-        raise RuntimeError(f"{type(retriever).__name__}.retrieve returned {len(answers)} results for {queries} queries")
+def place_answers(groups: Sequence[RetrievalGroup], answered: Sequence[Sequence], size: int) -> list:
+    """Per request of the batch (``size`` of them), its answer out of each group's answers in order."""
+    results: list = [None] * size
+    for group, answers in zip(groups, answered):
+        if len(answers) != len(group.members):
+            raise RuntimeError(f"{type(group.retriever).__name__}.retrieve returned {len(answers)} results for "
+                               f"{len(group.members)} queries")
+        for i, answer in zip(group.members, answers):
+            results[i] = answer
+    return results
 
 
 def run_retrieval(requests: Sequence[RetrievalRequest]) -> list:
     """One ``QueryResult`` per request, calling each retriever once per (mode, k) group."""
-    results: list = [None] * len(requests)
-    for group in retrieval_groups(requests):
-        answers = list(group.retriever.retrieve([requests[i].query for i in group.members], group.mode, group.k))
-        check_answer_count(group.retriever, answers, len(group.members))
-        for i, answer in zip(group.members, answers):
-            results[i] = answer
-    return results
+    groups = retrieval_groups(requests)
+    answered = [list(g.retriever.retrieve([requests[i].query for i in g.members], g.mode, g.k)) for g in groups]
+    return place_answers(groups, answered, len(requests))
 
 
 def retrieve_single(retriever, query: str, mode: str, k: int):
