@@ -18,7 +18,7 @@ from raggym.data.types import Corpus, Question
 from raggym.protocol import get_dialect
 from raggym.retrieval.base import QueryResult
 from raggym.rewards.outcome import EpisodeOutcome
-from test_envs_support import PASSAGES, QUESTIONS, KeywordRetriever, make_retriever
+from test_envs_support import PASSAGES, QUESTIONS, KeywordRetriever, make_retriever, play_to_the_end
 
 NOLAN, FRANCE = QUESTIONS
 
@@ -556,11 +556,6 @@ def test_the_records_outcome_equals_the_one_its_dict_gives(dialect, picks, quest
     env = make_env(dialect=dialect, retrieval_budget=budget, corpus=Corpus(PASSAGES))
     env.reset(seed=0, options={"question": question})
     segments = SEGMENTS[dialect]
-    for pick in picks:
-        *_, terminated, truncated, _ = env.step(segments[pick % len(segments)])
-        if terminated or truncated:
-            break
-    else:
-        env.truncate("response_tokens")
+    play_to_the_end(env, [segments[pick % len(segments)] for pick in picks])
     record = env.record
     assert record.outcome() == EpisodeOutcome.from_dict(record.as_dict())

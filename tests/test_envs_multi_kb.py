@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from envs import MultiKBRouteEnv, step_batch
 from raggym.data.types import Passage
 from raggym.rewards.outcome import EpisodeOutcome
-from test_envs_support import QUESTIONS, KeywordRetriever, make_retriever
+from test_envs_support import QUESTIONS, KeywordRetriever, make_retriever, play_to_the_end
 
 NOLAN, FRANCE = QUESTIONS
 TABLE_PASSAGES = [
@@ -469,11 +469,6 @@ def test_the_route_records_outcome_equals_the_one_its_dict_gives(picks, question
     else:
         env = make_env()
         env.reset(seed=0, options={"question": question})
-    for pick in picks:
-        *_, terminated, truncated, _ = env.step(ROUTE_SEGMENTS[pick])
-        if terminated or truncated:
-            break
-    else:
-        env.truncate("response_tokens")
+    play_to_the_end(env, [ROUTE_SEGMENTS[pick] for pick in picks])
     record = env.record
     assert record.outcome() == EpisodeOutcome.from_dict(record.as_dict())

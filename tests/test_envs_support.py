@@ -83,3 +83,13 @@ QUESTIONS = [
 
 def make_retriever() -> KeywordRetriever:
     return KeywordRetriever(PASSAGES, TRIPLES)
+
+
+def play_to_the_end(env, segments) -> None:
+    """Step ``env`` (already reset) through ``segments`` until the episode ends; if they run out
+    first, end it from outside as the rollout loop does when its token budget is spent."""
+    for segment in segments:
+        *_, terminated, truncated, _ = env.step(segment)
+        if terminated or truncated:
+            return
+    env.truncate("response_tokens")
