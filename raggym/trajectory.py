@@ -90,7 +90,9 @@ class Rollout:
 
     ``outcome`` is the ``EpisodeOutcome`` every reward reads; ``episode`` is the environment's
     record as a plain dict (kept for trajectory dumps and evaluation tables); ``turns`` holds per
-    model turn its ids, text, finish reason, logprobs and the policy weight version that sampled it.
+    model turn its span of the flat arrays (``start``, ``end``), its text, finish reason and the
+    policy weight version that sampled it. A turn's ids and log-probs live once, in the flat
+    arrays: ``turn_token_ids()`` and ``turn_logprobs()`` read them through the spans.
 
     Recorded for the learner while the rollout ran: ``mode_choice_positions`` (indices into
     ``token_ids``, ascending, of the model tokens that name a search's retrieval mode; the mode
@@ -128,10 +130,24 @@ class Rollout:
     def weight_versions(self) -> list[int]:
         return [t["weight_version"] for t in self.turns]
 
+    def turn_token_ids(self) -> list[list[int]]:
+        """Each model turn's sampled ids, in order (slices of ``token_ids``)."""
+        return [self.token_ids[t["start"]:t["end"]] for t in self.turns]
+
+    def turn_logprobs(self) -> list[list[float]]:
+        """Each model turn's sampling log-probs, in order (slices of ``sampled_logprobs``)."""
+        return [self.sampled_logprobs[t["start"]:t["end"]] for t in self.turns]
+
     def check(self) -> None:
         n = len(self.token_ids)
         if not (len(self.loss_mask) == len(self.sampled_logprobs) == len(self.span_labels) == n):
             raise ValueError("rollout arrays differ in length")
+        previous_end = self.prompt_length
+        for t in self.turns:
+            start, end = t["start"], t["end"]
+            if not (previous_end <= start <= end <= n) or not all(self.loss_mask[start:end]):
+                raise ValueError(f"a turn's span [{start}, {end}) is not a run of model tokens after the last one")
+            previous_end = end
         if any(not (0 <= p < n and self.loss_mask[p]) for p in self.mode_choice_positions):
             raise ValueError("a recorded mode choice is not a model token of the rollout")
 
@@ -234,13 +250,13 @@ class RolloutBuilder:
             raise ValueError(f"turn of {len(ids)} tokens exceeds the response budget ({self.response_budget_left} left)")
         text, offsets = token_char_offsets(self.tokenizer, ids)
         labels = label_tokens(label_characters(text, self.dialect), offsets) if ids else np.zeros(0, dtype=np.int64)
+        start = len(self.rollout.token_ids)
         if self.mode_slot is not None:  # found in this turn's own text: a turn is where a choice is made
-            start = len(self.rollout.token_ids)
             chosen = mode_choice_token_indices(text, offsets, self.mode_slot)
             self.rollout.mode_choice_positions.extend(start + j for j in chosen)
         self._extend(ids, 1, [float(x) for x in logprobs], [int(x) for x in labels])
-        self.rollout.turns.append({"token_ids": ids, "text": text, "finish_reason": finish_reason,
-                                "weight_version": int(weight_version), "logprobs": [float(x) for x in logprobs]})
+        self.rollout.turns.append({"start": start, "end": start + len(ids), "text": text,
+                                   "finish_reason": finish_reason, "weight_version": int(weight_version)})
         return text
 
     def add_observation(self, text: str) -> list[int]:

@@ -48,7 +48,7 @@ def test_scripted_episode_masks_spans_and_exact_ids(hf_engine, small_world, smal
     traj, = MultiTurnRollout(LocalBackend(engine), tok, config=RolloutConfig()).run([env], [EpisodeRequest(q, "g0")])
     # the exact generated ids come back, turn by turn, via the mask
     expected = [tok(s, add_special_tokens=False)["input_ids"] for s in segments]
-    assert traj.model_token_spans() == expected
+    assert traj.model_token_spans() == expected and traj.turn_token_ids() == expected
     assert traj.weight_versions == [3, 3]
     # the prompt is the chat template of the env's rendered prompt
     assert traj.token_ids[: traj.prompt_length] == chat_prompt_ids(tok, env.record.prompt)
@@ -81,13 +81,14 @@ def test_real_sampling_rollout_keeps_engine_output(hf_engine, small_world, small
     for traj in trajs:
         traj.check()
         assert traj.response_length <= 40
-        spans = traj.model_token_spans()
-        assert spans == [t["token_ids"] for t in traj.turns]  # exactly what the engine produced
-        assert all(len(t["token_ids"]) <= 16 for t in traj.turns)
+        turn_ids = traj.turn_token_ids()
+        assert traj.model_token_spans() == turn_ids  # each turn's span is one run of the mask
+        assert [tok.decode(ids) for ids in turn_ids] == [t["text"] for t in traj.turns]
+        assert all(len(ids) <= 16 for ids in turn_ids)
         # the rollout logprobs of model tokens are the engine's, and 0 elsewhere
-        flat = [lp for t in traj.turns for lp in t["logprobs"]]
+        flat = [lp for lps in traj.turn_logprobs() for lp in lps]
         assert [lp for lp, m in zip(traj.sampled_logprobs, traj.loss_mask) if m] == flat
-        assert all(lp <= 0 for lp in flat)
+        assert all(lp <= 0 for lp in flat) and not any(lp for lp, m in zip(traj.sampled_logprobs, traj.loss_mask) if not m)
         assert traj.episode["terminated"] or traj.episode["truncated"]
         obs_tokens = sum(1 for lab in traj.span_labels if lab == SpanLabel.OBSERVATION)
         assert obs_tokens <= 64 * max(0, len(traj.turns) - 1)
@@ -123,7 +124,7 @@ def test_turn_cap_cuts_a_turn_and_sequence_cap_ends_the_episode(hf_engine, small
     cfg = RolloutConfig(max_response_tokens=1000, max_turn_tokens=10, max_observation_tokens=20,
                         max_sequence_tokens=sequence_cap)
     traj, = MultiTurnRollout(LocalBackend(engine), tok, config=cfg).run([env], [EpisodeRequest(q, "g0")])
-    assert [len(t["token_ids"]) for t in traj.turns] == [10, 6]
+    assert [len(ids) for ids in traj.turn_token_ids()] == [10, 6]
     assert len(engine.calls) == 2 and len(engine.calls[1][0]) == prompt_len + 10 + 20
     assert traj.prompt_length == prompt_len and len(traj.token_ids) == sequence_cap
     assert sum(traj.loss_mask) == 16

@@ -90,7 +90,7 @@ def test_seeded_samples_depend_on_the_episode_only(tokenizer, small_world, small
     _, alone = _run(engine, small_world_retriever, questions, subset, sampling)
     assert _summary(alone) == _summary([full[i] for i in (7, 2, 4)])
     # the choices do differ between episodes (each has its own stream), and a new seed changes them
-    assert len({tuple(r.turns[0]["token_ids"]) for e in full for r in e}) > 1
+    assert len({tuple(r.turn_token_ids()[0]) for e in full for r in e}) > 1
     _, other = _run(engine, small_world_retriever, questions, requests, SamplingParams(seed=5))
     assert _summary(other) != _summary(full)
 
@@ -102,7 +102,7 @@ def test_budgets_cut_turns_and_end_episodes_in_the_async_loop(tokenizer, small_w
     _, episodes = _run(engine, small_world_retriever, questions, requests, max_turn_tokens=10,
                        max_response_tokens=25)
     for (r,) in episodes:
-        assert all(len(t["token_ids"]) <= 10 for t in r.turns) and r.response_length <= 25
+        assert all(len(ids) <= 10 for ids in r.turn_token_ids()) and r.response_length <= 25
         assert r.truncated_by_length and r.episode["truncation_reason"] == "response_tokens"
     _, capped = _run(engine, small_world_retriever, questions, requests, max_sequence_tokens=400)
     for (r,) in capped:

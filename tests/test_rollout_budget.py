@@ -44,7 +44,7 @@ def run(tokenizer, budget: int, counts: str):
     config = RolloutConfig(max_response_tokens=budget, max_turn_tokens=TURN_CAP,
                            max_observation_tokens=OBSERVATION_CAP, response_budget_counts=counts)
     rollout, = MultiTurnRollout(LocalBackend(engine), tokenizer, None, config).run([env], [EpisodeRequest(NOLAN, "p")])
-    turns = [len(t["token_ids"]) for t in rollout.turns]
+    turns = [len(ids) for ids in rollout.turn_token_ids()]
     observed = rollout.span_labels.count(SpanLabel.OBSERVATION)
     return rollout, env.record, turns, observed
 

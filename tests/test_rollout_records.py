@@ -44,7 +44,7 @@ def test_each_search_records_the_token_that_starts_its_mode_name(tokenizer):
     for rollout in rollouts:
         assert [tokenizer.decode([rollout.token_ids[p]]) for p in rollout.mode_choice_positions] == ["pass", "graph"]
         # each lies in the turn that named it: the first before the first observation, the second after it
-        first_turn_end = rollout.prompt_length + len(rollout.turns[0]["token_ids"])
+        first_turn_end = rollout.turns[0]["end"]
         passage, graph = rollout.mode_choice_positions
         assert rollout.prompt_length < passage < first_turn_end < graph
 

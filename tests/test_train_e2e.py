@@ -228,7 +228,7 @@ def test_masks_spans_rewards_and_advantages_match_the_algorithms_layer(run_a):
                     current = []
             if current:
                 spans.append(current)
-            assert spans == [x["token_ids"] for x in t["turns"]]
+            assert spans == [t["token_ids"][x["start"]:x["end"]] for x in t["turns"]]  # the turns' spans
             assert [tok.decode(s) for s in spans] == [x["text"] for x in t["turns"]]
             assert sum(mask) <= 32
         outcomes = [EpisodeOutcome.from_dict(t["outcome"]) for t in rows]
