@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from actors.cluster import resolve_actors
 from envs.rollout import EpisodeRequest, MultiTurnRollout, RolloutConfig
 from envs.stepping import RetrievalGroup, RetrievalRequest, place_answers, retrieval_groups, run_retrieval
+from raggym.data import Passage
 
 
 class ServiceRetriever:
@@ -168,21 +169,19 @@ class EnvRunner:
 
         return ray.remote(**ray_options)(cls) if ray_options else ray.remote(cls)
 
-    def rollout(self, requests: Sequence[EpisodeRequest], sampling=None, gold_passages: Sequence[dict] = ()) -> list:
+    def rollout(self, requests: Sequence[EpisodeRequest], sampling=None, gold_passages: Sequence[Passage] = ()) -> list:
         """Run one episode per request; returns, per request, its ``raggym.trajectory.Rollout`` records.
 
-        ``gold_passages`` (``{"id","title","text"}`` dicts) let the episode records carry the gold
+        ``gold_passages`` (the requests' gold ``Passage``s) let the episode records carry the gold
         evidence texts that evidence overlap needs, without shipping the corpus to the runner.
         """
         return self.rollout_with_stats(requests, sampling, gold_passages)[0]
 
     def rollout_with_stats(self, requests: Sequence[EpisodeRequest], sampling=None,
-                           gold_passages: Sequence[dict] = ()) -> tuple[list, dict[str, int]]:
+                           gold_passages: Sequence[Passage] = ()) -> tuple[list, dict[str, int]]:
         """``rollout``'s episodes and the call's retrieval counts (``MultiTurnRollout.retrieval_stats``:
         requests, retrievals sent, memo hits, duplicates folded within a batch)."""
-        from raggym.data import Passage
-
-        corpus = {p["id"]: Passage(p["id"], p["title"], p["text"]) for p in gold_passages}
+        corpus = {p.id: p for p in gold_passages}
         questions = [r.question for r in requests]
         envs = [self._make(questions, corpus) for _ in requests]
         loop = MultiTurnRollout(self.backend, self.tokenizer, sampling, self.config)

@@ -37,6 +37,7 @@ from actors.retrieval_service import RESTARTS, start_retrieval_service
 from actors.sync_verify import SyncVerifier, default_tolerance, probe_token_ids
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
 from raggym.config_nodes import ConfigError, to_plain
+from raggym.data import Passage
 from raggym.models import load_policy_tokenizer
 from raggym.retrieval import Retriever
 from raggym.rewards.r1_router import TABLE_KB, TEXT_KB
@@ -429,11 +430,11 @@ class RayRuntime:
             raise RuntimeError(f"expected rollouts for {len(requests)} episode requests, some are missing")
         return [rollout for rollouts in per_request for rollout in rollouts]
 
-    def _gold_passages(self, requests) -> list[dict]:
+    def _gold_passages(self, requests) -> list[Passage]:
         if self.corpus is None:
             return []
         questions = {r.question.id: r.question for r in requests}.values()
-        return [self.corpus.by_id(pid).as_dict() for q in questions for pid in q.gold_passage_ids if pid in self.corpus]
+        return [self.corpus.by_id(pid) for q in questions for pid in q.gold_passage_ids if pid in self.corpus]
 
     def _resync_restarted_workers(self) -> None:
         """A rollout worker Ray restarted holds its initial weights and no place in the collective
