@@ -214,6 +214,11 @@ def test_issue64_targets_missed_and_undecided():
     assert targets["direct EM, stage 2 vs the EM-only control"]["met"] is None
     assert targets["cost per question, stage 2 / the EM-only control"]["note"].startswith("no EM-only control")
     assert targets["routing accuracy at the mode slot, direct"]["met"] is True
+    # cheaper than the perfect router by routing every question to the passages (the 2026-12-02
+    # pilot's end): cost 529 -> (529 − 30,000) / 50,000 = −0.589, far from 0 -> not met
+    regret = _by_name(issue64_targets(_headlines([_evaluation(0.0, 1.0, 0.02, 0.73, 529.0)], [None])))[
+        "cost regret against the perfect router"]
+    assert regret["value"] == pytest.approx((529 - 30_000) / 50_000) and regret["met"] is False
     # a snapshot without the mode slot read: no value, not met
     heads = _headlines([_evaluation(None, None, 0.8, 0.9, 35_000.0)], [None])
     assert _by_name(issue64_targets(heads))["routing accuracy at the mode slot, direct"] == {
@@ -230,7 +235,7 @@ def test_the_report_shows_each_snapshot_the_headlines_and_the_targets():
     assert "| 0 | stage 2 | 4 | 0.950 | 0.920 | +0.500 | 0.850 | 0.900 | 38,000 | 0.160 |" in text
     assert "| cost_per_question | 38,000 | 79,000 | -41,000 |" in text
     assert "- stage 2, em/direct, seed 0: 0.900 (steps 2 / 4 / 6: 0.900 / 0.900 / 0.900)" in text
-    assert "- cost regret against the perfect router: 0.160 vs <= 0.2 -> met" in text
+    assert "- cost regret against the perfect router: 0.160 vs |regret| <= 0.2 -> met" in text
     assert issue64_markdown({"seed_runs": runs}) == []  # a report without snapshots: no such sections
 
 

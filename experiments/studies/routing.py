@@ -1148,7 +1148,10 @@ def routing_targets(table: dict, decoding: str = "greedy") -> list[dict]:
 
 SNAPSHOT_COUNT = 3  # a headline figure is the mean of a branch's last 3 snapshots (``last_snapshots``)
 # Issue #64's targets, fixed before any run (its "Targets"): on the greedy held-out snapshots
-COST_REGRET_TARGET = 0.2  # cost regret against the perfect router, at most
+# cost regret against the perfect router, at most this far from 0 on either side: below 0 a router
+# is cheaper than the perfect one only by sending graph questions to the passages (the pilot's
+# always-passage policy scored -1.0), which is not the cost cut the target asks for
+COST_REGRET_TARGET = 0.2
 COST_RATIO_VS_CONTROL = 0.7  # stage 2's cost per question at least 30 % below the EM-only control's
 
 
@@ -1218,7 +1221,7 @@ def issue64_targets(headlines: dict) -> list[dict]:
     A value the run lacks is not met.
 
     - routing accuracy at the mode slot >= ``ROUTING_ACCURACY_TARGET`` on each type;
-    - cost regret against the perfect router <= ``COST_REGRET_TARGET``;
+    - cost regret against the perfect router within ``COST_REGRET_TARGET`` of 0 (|regret|);
     - ``graph_only`` EM and ``direct`` EM each >= the control's minus the control's seed spread
       (max − min of its seeds' headline values);
     - stage 2's cost per question <= ``COST_RATIO_VS_CONTROL`` x the control's (30 % below it).
@@ -1236,7 +1239,8 @@ def issue64_targets(headlines: dict) -> list[dict]:
                         "met": value is not None and value >= ROUTING_ACCURACY_TARGET})
     regret = mean(two, "cost_regret")
     entries.append({"name": "cost regret against the perfect router", "value": regret,
-                    "target": f"<= {COST_REGRET_TARGET}", "met": regret is not None and regret <= COST_REGRET_TARGET})
+                    "target": f"|regret| <= {COST_REGRET_TARGET}",
+                    "met": regret is not None and abs(regret) <= COST_REGRET_TARGET})
     for kind in RIGHT_ROUTE:
         value, reference = mean(two, f"em/{kind}"), control.get(f"em/{kind}") or {}
         entry = {"name": f"{kind} EM, stage 2 vs the EM-only control", "value": value,
