@@ -108,8 +108,8 @@ def test_routerag_tiny_step(tiny_vllm_policy, index_root, tmp_path):
     # the mode entropy bonus saw every mode the rollouts' searches named, and nothing else: the
     # choices found again in each dumped turn's ids are the ones the rollouts recorded
     tokenizer, slot = load_policy_tokenizer(tiny_vllm_policy), re.compile(get_dialect("routerag").mode_slot)
-    named = sum(len(mode_choice_token_indices(*token_char_offsets(tokenizer, turn["token_ids"]), slot))
-                for ln in lines for turn in ln["turns"])
+    turn_ids = [ln["token_ids"][turn["start"]:turn["end"]] for ln in lines for turn in ln["turns"]]
+    named = sum(len(mode_choice_token_indices(*token_char_offsets(tokenizer, ids), slot)) for ids in turn_ids)
     assert sum(len(ln["mode_choice_positions"]) for ln in lines) == named
     assert record["learner/mode_choices"] == named
     assert math.isfinite(record["learner/mode_pg_term"])  # the mode mask reached the mode-choice PG term
