@@ -7,8 +7,9 @@ safetensors + JSON.
 * ``save_learner_state(learner, out_dir)`` / ``load_learner_state(learner, in_dir)`` write and
   restore what an exact resume needs from the learner: for every trainable weight, in HF names
   and *unpartitioned*, its fp32 master value and AdamW's ``exp_avg`` / ``exp_avg_sq``; plus the
-  AdamW step, the param-group hyperparameters and the learner's weight version (which also seeds
-  the mini-batch shuffling) in ``learner_state.json``. Because the state is stored whole, a run
+  AdamW step, the param-group hyperparameters (for the record: on resume the config's win) and
+  the learner's weight version (which also seeds the mini-batch shuffling) in
+  ``learner_state.json``. Because the state is stored whole, a run
   can resume with another ZeRO stage or another number of learners.
 
 No pickle anywhere (DeepSpeed's own ``save_checkpoint`` uses ``torch.save``). Under ZeRO-3 every
@@ -20,6 +21,7 @@ so is making a whole checkpoint appear at once: write it into ``raggym.atomic.at
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from raggym.atomic import atomic_write_json
 
 OPTIMIZER_FILE = "learner_optimizer.safetensors"
 STATE_FILE = "learner_state.json"
+log = logging.getLogger(__name__)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
@@ -137,7 +140,11 @@ def save_learner_state(learner, out_dir: str | Path) -> Path | None:
 
 
 def load_learner_state(learner, in_dir: str | Path) -> dict:
-    """Restore weights, AdamW moments and step, hyperparameters and version; returns the metadata."""
+    """Restore weights, AdamW moments and step and version; returns the metadata.
+
+    The hyperparameters (lr, betas, eps, weight decay) stay as this run's config set them; the
+    metadata's ``changed_hyperparameters`` lists those that differ from the saved ones.
+    """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from safetensors.torch import load_file
 
@@ -178,9 +185,18 @@ def load_learner_state(learner, in_dir: str | Path) -> dict:
     for state in base.state.values():
         if "step" in state:
             state["step"] = torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
-    for group, saved in zip(learner.optimizer.param_groups, meta["param_groups"]):
+    # The optimizer was built from this run's config, and its hyperparameters win: a run resumed
+    # with a new ``learner.optimizer.lr`` (a study's second stage) trains at that lr. The saved
+    # values are only compared, so that a change is said, not silent.
+    changed = {}
+    for index, (group, saved) in enumerate(zip(learner.optimizer.param_groups, meta["param_groups"])):
         for k, v in saved.items():
-            group[k] = tuple(v) if isinstance(v, list) else v
+            now = list(group[k]) if isinstance(group.get(k), tuple) else group.get(k)
+            if now is not None and now != v:
+                changed[f"group{index}/{k}"] = {"saved": v, "config": now}
+    if changed:
+        log.warning("resuming from %s with the config's optimizer hyperparameters, not the saved ones: %s", src, changed)
+    meta["changed_hyperparameters"] = changed
     learner.version = int(meta["version"])
     return meta
 

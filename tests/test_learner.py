@@ -430,6 +430,33 @@ def test_checkpoint_resumes_exactly_even_under_another_zero_stage(stage_runs, ba
             torch.testing.assert_close(after_b[name] - current[name], step_a, atol=1e-3 * scale, rtol=1e-3)
 
 
+def test_a_resumed_learner_trains_at_its_configs_lr_not_the_saved_one(stage_runs, batch, tmp_path):
+    """A study's second stage resumes with its own ``learner.optimizer.lr`` (and here its own eps):
+    the config's values win over the checkpoint's, and each change is reported. Adam's step
+    lr·m̂/(√v̂ + eps) is linear in lr, so from the same state twice the lr takes twice the step;
+    eps = 1e-8 makes that step about lr per weight, far above the rounding of the weights."""
+    stage_runs["plain"].save_checkpoint(str(tmp_path))
+    saved = stage_runs["plain"].optimizer.param_groups[0]
+    saved_lr, saved_eps = saved["lr"], saved["eps"]
+    steps = {}
+    for lr in (saved_lr, 2 * saved_lr):
+        learner = Learner(config(zero_stage=0, micro_batch_size=2, optimizer={"lr": lr, "eps": 1e-8, "weight_decay": 0.0}))
+        meta = learner.load_checkpoint(str(tmp_path))
+        assert {(group["lr"], group["eps"]) for group in learner.optimizer.param_groups} == {(lr, 1e-8)}
+        changed = meta["changed_hyperparameters"]
+        assert {k.split("/")[1] for k in changed} == ({"eps"} if lr == saved_lr else {"eps", "lr"})
+        assert all(v == {"saved": saved_eps, "config": 1e-8} for k, v in changed.items() if k.endswith("/eps"))
+        assert all(v == {"saved": saved_lr, "config": lr} for k, v in changed.items() if k.endswith("/lr"))
+        before = snapshot(learner)
+        learner.update(batch, step=1)
+        after = snapshot(learner)
+        steps[lr] = {name: after[name] - before[name] for name in WATCHED}
+    for name in WATCHED:
+        scale = float(steps[saved_lr][name].abs().max())
+        assert scale > 0.1 * saved_lr
+        torch.testing.assert_close(steps[2 * saved_lr][name], 2 * steps[saved_lr][name], rtol=1e-3, atol=1e-3 * scale)
+
+
 def test_lora_learner_trains_only_adapters_and_syncs_merged_weights(tiny_model, batch):
     MODEL["path"] = tiny_model
     with pytest.raises(ValueError, match="LoRA with ZeRO-3"):
