@@ -24,6 +24,7 @@ from typing import Any, Protocol, Sequence
 
 import gymnasium
 import ray
+import torch
 from gymnasium.envs.registration import load_env_creator
 
 import envs  # noqa: F401  (registers the env ids)
@@ -132,7 +133,7 @@ def learner_config(cfg) -> dict:
     return learner
 
 
-def score_probe_on_ray(learners, workers: Sequence, ids, chosen: Sequence[int]) -> tuple[list[float], list[list[float]]]:
+def score_probe_on_ray(learners, workers: Sequence, ids, chosen: Sequence[int]) -> tuple[torch.Tensor, list[list[float]]]:
     """A ``SyncVerifier``'s scores on Ray: the learner group's and the ``chosen`` rollout workers'
     log-probs of the probe ``ids``, computed side by side."""
     learner = learners.score_probe_async(ids)
@@ -206,7 +207,7 @@ class LocalLearnerGroup:
             raise RuntimeError(f"engines report weight versions {versions}, expected {self.version}")
         return {"weight_version": float(self.version), "sync_seconds": time.perf_counter() - t0}
 
-    def score_probe(self, token_ids) -> list[float]:
+    def score_probe(self, token_ids) -> torch.Tensor:
         return self.learner.score_probe(token_ids)
 
     def save_checkpoint(self, out_dir: str, policy: bool = True) -> str:
@@ -384,7 +385,7 @@ class RayRuntime:
             dtypes = (ray.get(self.workers[0].info.remote()).get("dtype"), self.learners.infos[0]["dtype"])
             self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, dtypes, len(self.workers))
 
-    def _score_probe(self, ids, workers) -> tuple[list[float], list[list[float]]]:
+    def _score_probe(self, ids, workers) -> tuple[torch.Tensor, list[list[float]]]:
         return score_probe_on_ray(self.learners, self.workers, ids, workers)
 
     def runners(self, env_kwargs: dict | None) -> list:

@@ -81,17 +81,34 @@ class EpisodeRecordBase:
     retrieval_cost: float = 0.0
     num_format_errors: int = 0
     gold_passages: tuple[str, ...] = ()
+    # The finished episode's outcome, built once by ``close`` (its answer metrics cached on it).
+    closed_outcome: Any = field(default=None, repr=False, compare=False)
 
     @property
     def done(self) -> bool:
         return self.terminated or self.truncated
+
+    def close(self):
+        """Build the finished episode's outcome once and keep it: the env calls this when the episode
+        ends, before its ``reward_fn``, so the env's reward (EM by default), the rewards of training
+        and the step log all read one ``EpisodeOutcome`` and compute each answer metric once."""
+        if not self.done:
+            raise RuntimeError("close() is for a finished episode (terminated or truncated)")
+        self.closed_outcome = None
+        self.closed_outcome = self.outcome()
+        return self.closed_outcome
 
     def as_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
     def outcome(self):
         """This episode as a ``raggym.rewards.outcome.EpisodeOutcome``, built from the record's own
-        fields (no dict in between; ``EpisodeOutcome.from_dict(self.as_dict())`` gives the same)."""
+        fields (no dict in between; ``EpisodeOutcome.from_dict(self.as_dict())`` gives the same).
+        Once the episode is closed, the kept outcome, with the env's reward as it stands now."""
+        if self.closed_outcome is not None:
+            if self.closed_outcome.env_reward != self.reward:
+                self.closed_outcome = self.closed_outcome.with_env_reward(self.reward)
+            return self.closed_outcome
         # Imported on first use: the raggym.rewards package pulls in torch, which stepping an
         # environment does not need.
         from raggym.rewards.outcome import EpisodeOutcome

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 
 def exact_match_reward(record) -> float:
-    """EM(answer, gold answers); 0.0 when the episode ended without an answer."""
-    # Imported on first use: the raggym.rewards package pulls in torch (for the algorithms it
-    # re-exports), which an environment that only steps text should not pay for at import.
-    from raggym.rewards.metrics import exact_match
-
-    return exact_match(record.answer, record.question.answers)
+    """EM(answer, gold answers); 0.0 when the episode ended without an answer. It reads the finished
+    record's outcome (``record.outcome()``), whose EM the training rewards then reuse."""
+    return float(record.outcome().em)

@@ -222,7 +222,9 @@ class BatchedStepEnv(gym.Env):
         return self._truncation_result(reward)
 
     def _terminal_reward(self) -> float:
-        """``reward_fn(record)``, stored in the record; called once, when the episode ends."""
+        """``reward_fn(record)``, stored in the record; called once, when the episode ends (and after
+        ``record.close()``, which builds the outcome the default reward reads)."""
+        self._record.close()
         reward = float(self.reward_fn(self._record))
         self._record.reward = reward
         return reward

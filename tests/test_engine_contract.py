@@ -211,7 +211,7 @@ def test_prompt_scores_equal_the_learners_at_temperature_one(engine, learner):
     sequence, not of its samples. The learner here runs at temperature 1, like the probe."""
     ids = probe_token_ids(learner.tokenizer, 128)
     scores = torch.tensor(engine.score_prompt(ids))
-    reference = torch.tensor(learner.score_probe(ids))
+    reference = learner.score_probe(ids)
     assert scores.shape == reference.shape == (127,)
     gaps = (scores - reference).abs()
     assert float(gaps.mean()) <= LOGPROB_MEAN_TOL and float(gaps.max()) <= LOGPROB_MAX_TOL, (gaps.mean(), gaps.max())

@@ -72,3 +72,22 @@ def test_no_teacher_prompt_is_recorded_unless_asked(tokenizer):
         teacher_fields(rollouts, int(tokenizer.pad_token_id))
     with pytest.raises(ValueError, match="teacher_evidence_tokens must be at least 1"):
         RolloutConfig(teacher_evidence_tokens=0)
+
+
+def test_an_episodes_em_is_computed_once_for_the_env_reward_the_training_reward_and_the_log(tokenizer, monkeypatch):
+    """The env's default reward (EM) reads the outcome the record closed with; the rollout carries
+    that outcome, so the reward schedule and the step log reuse its EM: one exact match per episode."""
+    from raggym import text_metrics
+    from raggym.rewards import metrics
+    from raggym.rewards.routerag import routerag_batch_rewards
+
+    calls = []
+    real = text_metrics.exact_match
+    for module in (text_metrics, metrics):  # metrics re-exports it under its own name
+        monkeypatch.setattr(module, "exact_match", lambda *a, **k: calls.append(a) or real(*a, **k))
+    envs, rollouts = run(tokenizer, samples=3)
+    assert [r.outcome.env_reward for r in rollouts] == [1.0, 1.0, 1.0]
+    assert [env.unwrapped._record.outcome() is r.outcome for env, r in zip(envs, rollouts)] == [True] * 3
+    assert routerag_batch_rewards([r.outcome for r in rollouts], stage=2) != []
+    assert [metrics.outcome_metrics(r.outcome)["em"] for r in rollouts] == [1.0, 1.0, 1.0]
+    assert len(calls) == 3

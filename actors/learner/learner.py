@@ -325,15 +325,15 @@ class Learner:
         finally:
             self.engine.train(was_training)
 
-    def score_probe(self, token_ids) -> list[float]:
-        """log π(x_t | x_<t) at temperature 1 for t = 1 .. len - 1 of one sequence: the learner's side
-        of a weight sync's probe (``actors.sync_verify``). Every rank takes part under ZeRO-3; rank 0's
-        values are the group's."""
+    def score_probe(self, token_ids) -> torch.Tensor:
+        """log π(x_t | x_<t) at temperature 1 for t = 1 .. len - 1 of one sequence, a float CPU tensor:
+        the learner's side of a weight sync's probe (``actors.sync_verify``), which compares it as a
+        tensor. Every rank takes part under ZeRO-3; rank 0's values are the group's."""
         ids = torch.as_tensor([list(token_ids)], dtype=torch.long)
         was_training = self.engine.training
         self.engine.eval()
         try:
-            return self._logprobs_with(self.engine, ids, None, None, temperature=1.0)[0, 1:].tolist()
+            return self._logprobs_with(self.engine, ids, None, None, temperature=1.0)[0, 1:].detach().cpu()
         finally:
             self.engine.train(was_training)
 

@@ -52,10 +52,10 @@ def outcome_metrics(outcome: EpisodeOutcome) -> dict[str, float | int | None]:
     """
     retrieved = outcome.all_retrieved_texts()
     return {
-        "em": exact_match(outcome.answer, outcome.gold_answers),
+        "em": outcome.em,  # the outcome's cached metrics: computed once per episode, whoever asks first
         "cover_em": cover_exact_match(outcome.answer, outcome.gold_answers),
-        "f1": token_f1(outcome.answer, outcome.gold_answers),
-        "eo": evidence_overlap(retrieved, outcome.gold_passages) if outcome.gold_passages else None,
+        "f1": outcome.f1,
+        "eo": outcome.evidence_overlap if outcome.gold_passages else None,
         "uar": unsupported_answer_rate(outcome.answer, retrieved),
         "retrieval_count": retrieval_count(outcome),
         "retrieval_seconds": total_retrieval_seconds(outcome),

@@ -55,7 +55,7 @@ empty (not recorded) or has one entry per retrieval call. ``retrieval_count`` is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
@@ -84,6 +84,10 @@ def _total(value: Any) -> float:
     if isinstance(value, (int, float)):
         return float(value)
     return float(sum(float(v) for v in value))
+
+
+# The cached_property metrics of EpisodeOutcome (computed on first use, kept by with_env_reward).
+_CACHED_METRICS = ("em", "f1", "evidence_overlap")
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,13 @@ class EpisodeOutcome:
         if not self.gold_passages:
             return 0.0
         return text_metrics.evidence_overlap(self.all_retrieved_texts(), self.gold_passages)
+
+    def with_env_reward(self, reward: float | None) -> "EpisodeOutcome":
+        """This outcome with ``env_reward`` set, keeping the answer metrics already computed (the
+        environment's default reward is this outcome's EM, computed before the reward existed)."""
+        out = replace(self, env_reward=reward)
+        out.__dict__.update({name: self.__dict__[name] for name in _CACHED_METRICS if name in self.__dict__})
+        return out
 
     def all_retrieved_texts(self) -> list[str]:
         """Every retrieved passage text in the order it was returned."""
