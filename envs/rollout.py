@@ -423,10 +423,8 @@ class MultiTurnRollout:
         return builder
 
     def _finish(self, slot: _Slot) -> list[Rollout]:
-        record = slot.stepper.record
-        episode = record.as_dict() if record is not None else {}
-        outcome = record.outcome() if record is not None else None
-        return [b.finish(episode, outcome) for b in (*slot.finished, slot.builder)]
+        record = slot.stepper.record  # one typed record for all the episode's rollouts; no dict is built here
+        return [b.finish(record) for b in (*slot.finished, slot.builder)]
 
     # ------------------------------------------------------------------ steps of an episode
     def _apply_result(self, slot: _Slot, res):

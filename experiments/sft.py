@@ -296,7 +296,7 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
                                           max_observation_tokens=max_observation_tokens) for q in part]
             rewards = _play_batch(envs, part, builders, script)
             for q, env, builder, reward in zip(part, envs, builders, rewards):
-                traj = builder.finish({}, None)
+                traj = builder.finish()
                 record = env.record
                 items = record.steps if dialect == "r1_router" else record.turns
                 retrieved = {pid for item in items for pid in item.retrieved_ids}

@@ -342,8 +342,8 @@ def train(cfg, runtime=None, stop_at: float | None = None) -> dict:
                            "weight_versions": sorted({v for r in kept for v in r.weight_versions})})
             if hp.eval_every > 0 and (step + 1) % hp.eval_every == 0:           # 7. evaluate, log, checkpoint
                 record.update(evaluate_heldout(run, rt, step))
-            logger.log(record, trajectories=[r.as_dict() for r in kept], rewards=rewards.tolist(),
-                       advantages=advantages.tolist())
+            samples = [r.as_dict() for r in kept[:logger.samples_per_step]]  # only the logged few become dicts
+            logger.log(record, trajectories=samples, rewards=rewards.tolist(), advantages=advantages.tolist())
             if run.cfg.run.dump_trajectories:
                 dump_rollouts(run.out_dir, step + 1, kept, rewards.tolist(), advantages.tolist())
             stopping = stop_at is not None and time.time() >= stop_at and step + 1 < hp.steps

@@ -88,8 +88,10 @@ class Rollout:
     in one step (its G samples share it); ``step_index`` is 0 except for Step-GRPO's teacher-forced
     steps, where it is the step's position in the golden trajectory.
 
-    ``outcome`` is the ``EpisodeOutcome`` every reward reads; ``episode`` is the environment's
-    record as a plain dict (kept for trajectory dumps and evaluation tables); ``turns`` holds per
+    ``record`` is the environment's typed episode record (``envs.records``; one object for all the
+    rollouts of an episode) and ``outcome`` the ``EpisodeOutcome`` it closed with, which every
+    reward reads; ``episode`` is the record as a plain dict, built only when it is read (trajectory
+    dumps, evaluation tables); ``turns`` holds per
     model turn its span of the flat arrays (``start``, ``end``), its text, finish reason and the
     policy weight version that sampled it. A turn's ids and log-probs live once, in the flat
     arrays: ``turn_token_ids()`` and ``turn_logprobs()`` read them through the spans.
@@ -109,7 +111,7 @@ class Rollout:
     step_index: int = 0
     sample_index: int = 0
     outcome: Any = None  # raggym.rewards.EpisodeOutcome once the episode is over
-    episode: dict[str, Any] = field(default_factory=dict)
+    record: Any = None  # the environment's episode record (as_dict() and outcome()), once it is over
     turns: list[dict[str, Any]] = field(default_factory=list)
     truncated_by_length: bool = False
     mode_choice_positions: list[int] = field(default_factory=list)
@@ -121,6 +123,11 @@ class Rollout:
     @property
     def group_key(self) -> tuple[str, int]:
         return (self.prompt_id, self.step_index)
+
+    @property
+    def episode(self) -> dict[str, Any]:
+        """The environment's record as a plain dict (``{}`` without one), built on each read."""
+        return {} if self.record is None else self.record.as_dict()
 
     @property
     def response_length(self) -> int:
@@ -272,8 +279,9 @@ class RolloutBuilder:
         t.sampled_logprobs.extend(logprobs)
         t.span_labels.extend(labels)
 
-    def finish(self, episode: dict[str, Any], outcome: Any = None) -> Rollout:
-        self.rollout.episode = episode
-        self.rollout.outcome = outcome
+    def finish(self, record: Any = None) -> Rollout:
+        """The finished rollout, carrying the episode's record and the outcome it closed with."""
+        self.rollout.record = record
+        self.rollout.outcome = None if record is None else record.outcome()
         self.rollout.check()
         return self.rollout

@@ -37,7 +37,7 @@ def episode(tokenizer, turns: list[str], observation: str = "<information> a not
         builder.add_model_turn(ids, [0.0] * len(ids))
         if i + 1 < len(turns):
             builder.add_observation(observation)
-    return builder.finish({})
+    return builder.finish()
 
 
 def marked(tokenizer, rollout) -> list[str]:
@@ -110,4 +110,4 @@ def test_a_dialect_without_a_mode_slot_records_no_choice(tokenizer):
     builder.add_prompt(tokenizer.encode("Q?", add_special_tokens=False))
     ids = tokenizer.encode("<search> [graph] q</search>", add_special_tokens=False)
     builder.add_model_turn(ids, [0.0] * len(ids))
-    assert builder.finish({}).mode_choice_positions == []
+    assert builder.finish().mode_choice_positions == []

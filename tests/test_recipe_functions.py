@@ -107,14 +107,13 @@ def _rollout(prompt, response, labels, *, prompt_text="", gold_passages=(), retr
                    span_labels=[int(SpanLabel.PROMPT)] * len(prompt) + [int(x) for x in labels],
                    prompt_length=len(prompt), prompt_id=prompt_id, sample_index=sample,
                    outcome=EpisodeOutcome(answer="Paris", gold_answers=("Paris",), gold_passages=gold_passages,
-                                          retrieved_texts=(tuple(retrieved),) if retrieved else ()),
-                   episode={"prompt": prompt_text})
+                                          retrieved_texts=(tuple(retrieved),) if retrieved else (), question=prompt_text))
 
 
 def _with_teacher_prompt(tokenizer, rollout, max_evidence_tokens):
     """``rollout`` with the teacher prompt the rollout loop records under ``RolloutConfig.teacher_evidence_tokens``
-    (from the episode's gold passages and its prompt)."""
-    rollout.teacher_prompt_ids = teacher_prompt_ids(tokenizer, rollout.outcome.gold_passages, rollout.episode["prompt"],
+    (from the episode's gold passages and its prompt, which is the question alone here)."""
+    rollout.teacher_prompt_ids = teacher_prompt_ids(tokenizer, rollout.outcome.gold_passages, rollout.outcome.question,
                                                     max_evidence_tokens)
     return rollout
 

@@ -43,7 +43,7 @@ def build(tokenizer, turns, observation_after):
         given_logprobs.append(logprobs)
         if i + 1 < len(turns):
             builder.add_observation(observation_after[i])
-    return builder.finish({}), given_ids, given_logprobs
+    return builder.finish(), given_ids, given_logprobs
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
