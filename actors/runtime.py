@@ -31,7 +31,7 @@ import envs  # noqa: F401  (registers the env ids)
 from actors.cluster import bundle_of, get_all, in_group, learner_device, release, reserve, resolve_learner_resources
 from actors.engines.base import engine_info
 from actors.engines.loop_thread import OwnLoopEngine
-from actors.engines.rollout_worker import RolloutWorker, make_engine
+from actors.engines.rollout_worker import RolloutWorker, WeightsNotSyncedError, make_engine
 from actors.env_runner import EnvRunner
 from actors.learner import Learner, LearnerGroup
 from actors.retrieval_service import RESTARTS, start_retrieval_service
@@ -408,7 +408,18 @@ class RayRuntime:
         return next(iter(self.services.values()))
 
     def rollout(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
-        self._resync_restarted_workers()
+        """The requests' rollouts, in request order. A worker Ray restarted is found by its first
+        refused call (``WeightsNotSyncedError``: it will not sample from its initial weights), not
+        by asking every worker each step: the current weights go to it, and the rollout runs again
+        (with the same seeds, so the same samples on a batch-invariant engine)."""
+        try:
+            return self._rollout_once(requests, sampling, env_kwargs)
+        except WeightsNotSyncedError:
+            if not self._resync_restarted_workers():
+                raise
+            return self._rollout_once(requests, sampling, env_kwargs)
+
+    def _rollout_once(self, requests, sampling, env_kwargs=None) -> list[Rollout]:
         runners = self.runners(env_kwargs)
         # Whole groups per runner: a group's identical searches then meet in one runner's retrieval memo.
         chunks = group_chunks(requests, len(runners))
@@ -437,24 +448,27 @@ class RayRuntime:
         questions = {r.question.id: r.question for r in requests}.values()
         return [self.corpus.by_id(pid) for q in questions for pid in q.gold_passage_ids if pid in self.corpus]
 
-    def _resync_restarted_workers(self) -> None:
+    def _resync_restarted_workers(self) -> list[int]:
         """A rollout worker Ray restarted holds its initial weights and no place in the collective
         group: load the current weights into it (verified at once), and rebuild the group at the
-        next sync."""
+        next sync. Returns the restarted workers' indices."""
         if self.learners is None:
-            return
+            return []
         restarted = self.learners.resync_restarted(self.workers)
         if restarted:
             self._sync_ready = False
             if self.verifier is not None:
                 self.verifier.restarted(restarted)
                 self.verifier.verify(self.learners.version, restarted)
+        return restarted
 
     def sync_weights(self) -> dict[str, float]:
-        self._resync_restarted_workers()
-        if self._sync_backend is None:
+        if self._sync_backend is None:  # every worker loads the weights, a restarted one as well
             metrics = self.learners.sync_weights(self.workers)
         else:
+            # A restarted worker has no rank in the broadcast group, and a broadcast would wait for
+            # it: with a collective sync (only), the workers are asked first.
+            self._resync_restarted_workers()
             if not self._sync_ready:  # the broadcast group is built once, at the first sync
                 self.learners.init_weight_sync(self.workers, backend=self._sync_backend)
                 self._sync_ready = True

@@ -128,3 +128,43 @@ def test_the_runtime_keeps_each_group_on_one_runner_and_sums_the_runners_counts(
     # a group's samples ran on one runner: each distinct search was retrieved once in all
     assert stats["retrieval_unique"] == len(set(searches))
     assert stats["retrieval_memo_hits"] + stats["retrieval_batch_duplicates"] == len(searches) - len(set(searches))
+
+
+def test_a_worker_that_refuses_stale_weights_is_found_by_its_refusal_resynced_and_the_rollout_rerun(
+        ray_session, sharded_index, small_world, tiny_random_policy):
+    """No worker is asked whether it restarted before a rollout: a worker on weights it did not get
+    from the learners refuses its first call (``WeightsNotSyncedError``, as one Ray rebuilt does;
+    here it is built that way), the runtime loads the current weights into it and runs the rollout
+    again. A healthy rollout asks nobody."""
+    from actors.learner import LearnerConfig, LearnerGroup
+    from actors.runtime import RayRuntime
+
+    service, *peers = start_retrieval_service(str(sharded_index), num_replicas=1)  # peers: keeps the shards alive
+    Worker = RolloutWorker.as_remote(num_cpus=0.25)
+    workers = [Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT),
+               Worker.remote(engine="scripted", model="smollm2-135m", script=SCRIPT, require_sync=True)]
+    Runner = EnvRunner.as_remote(num_cpus=0.25)
+    config = {"max_response_tokens": 256, "max_turn_tokens": 96, "max_observation_tokens": 512}
+    runners = [Runner.remote("raggym/RouteRAG-v0", service, workers, "smollm2-135m", {"top_k": TOP_K}, config)]
+    learners = LearnerGroup(LearnerConfig.from_dict({"model": tiny_random_policy, "zero_stage": 0, "micro_batch_size": 1,
+                                                     "mini_batch_size": 1, "num_threads": 1}),
+                            num_learners=1, resources={"num_cpus": 0.5})
+    asked = []
+    resync = learners.resync_restarted
+    learners.resync_restarted = lambda ws: asked.append(len(ws)) or resync(ws)
+    runtime = object.__new__(RayRuntime)
+    runtime.learners, runtime.workers, runtime.verifier, runtime._sync_ready = learners, workers, None, True
+    runtime.corpus, runtime.runners = None, lambda env_kwargs: runners
+    requests = [EpisodeRequest(q, f"0:{q.id}", g) for q in small_world.questions[:2] for g in range(2)]
+    try:
+        assert [ray.get(w.info.remote())["synced"] for w in workers] == [True, False]
+        rollouts = runtime.rollout(requests, SamplingParams(seed=11))
+        assert asked == [2]  # once, after the refusal
+        assert [ray.get(w.info.remote())["synced"] for w in workers] == [True, True]
+        assert [(r.prompt_id, r.sample_index) for r in rollouts] == [(r.prompt_id, r.sample_index) for r in requests]
+        assert all(r.outcome is not None and r.response_length > 0 for r in rollouts)
+        again = runtime.rollout(requests, SamplingParams(seed=11))
+        assert asked == [2]  # a healthy rollout asks no worker anything
+        assert [r.token_ids for r in again] == [r.token_ids for r in rollouts]
+    finally:
+        learners.shutdown()
