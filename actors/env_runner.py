@@ -17,6 +17,7 @@ import itertools
 from typing import Any, Sequence
 
 from actors.cluster import resolve_actors
+from actors.engines.session_context import SentContexts, SessionContextLostError
 from envs.rollout import EpisodeRequest, MultiTurnRollout, RolloutConfig
 from envs.stepping import RetrievalGroup, RetrievalRequest, place_answers, retrieval_groups, run_retrieval
 from raggym.data import Passage
@@ -48,7 +49,9 @@ class RayBackend:
     Each session (an episode, or one model call in ``replace`` mode) sticks to one worker, so a session
     engine reuses its KV cache across the episode's turns; a new session goes to the worker with the
     fewest open sessions (this runner's, plus the others' that ``load()`` reported when the rollout
-    started). A worker without ``generate_async`` is served through a ``BatchingSessionEngine``
+    started). The worker keeps each session's context, so a turn sends only the ids after the part
+    it holds (``continue_session``); a worker that lost it (restarted) refuses, and the turn is sent
+    whole. A worker without ``continue_session`` is served through a ``BatchingSessionEngine``
     over its ``generate``.
     """
 
@@ -57,11 +60,12 @@ class RayBackend:
             raise ValueError("RayBackend needs at least one rollout worker")
         self.workers = list(rollout_workers)
         self._next_worker = itertools.cycle(range(len(self.workers)))
-        self._session_api = [_has_method(w, "generate_async") for w in self.workers]
+        self._session_api = [_has_method(w, "continue_session") for w in self.workers]
         self._adapters: dict[int, Any] = {}
         self._session_worker: dict[str, int] = {}
         self.open_sessions = [0] * len(self.workers)  # this backend's sessions on each worker
         self._others = [0] * len(self.workers)  # other runners' sessions when the rollout started
+        self.contexts = SentContexts()  # per session, the ids its worker holds
 
     async def prepare(self) -> None:
         """Learn how many sessions other runners hold on each worker (once per rollout)."""
@@ -90,8 +94,15 @@ class RayBackend:
         index = self.worker_of(session_id)
         worker = self.workers[index]
         if self._session_api[index]:
-            return await worker.generate_async.remote(session_id, list(context_token_ids), sampling, list(stop_strings),
-                                                      int(max_new_tokens))
+            keep, new_ids = self.contexts.delta(session_id, context_token_ids)
+            args = (sampling, list(stop_strings), int(max_new_tokens))
+            try:
+                result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
+            except SessionContextLostError:  # the worker was restarted: it holds nothing of the session
+                keep, new_ids = 0, list(context_token_ids)
+                result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
+            self.contexts.sent(session_id, context_token_ids, new_ids, result.token_ids)
+            return result
         if index not in self._adapters:
             from envs.session_adapter import BatchingSessionEngine
 
@@ -107,6 +118,7 @@ class RayBackend:
         if index is None:
             return
         self.open_sessions[index] -= 1
+        self.contexts.forget(session_id)
         if self._session_api[index]:
             self.workers[index].end_session.remote(session_id)  # frees the worker's cache; nothing to wait for
         else:
@@ -179,14 +191,17 @@ class EnvRunner:
 
     def rollout_with_stats(self, requests: Sequence[EpisodeRequest], sampling=None,
                            gold_passages: Sequence[Passage] = ()) -> tuple[list, dict[str, int]]:
-        """``rollout``'s episodes and the call's retrieval counts (``MultiTurnRollout.retrieval_stats``:
-        requests, retrievals sent, memo hits, duplicates folded within a batch)."""
+        """``rollout``'s episodes and the call's counts: retrieval (``MultiTurnRollout.retrieval_stats``:
+        requests, retrievals sent, memo hits, duplicates folded within a batch) and context ids
+        (``context_ids_sent`` to the workers, against ``context_ids`` had every turn been sent whole)."""
         corpus = {p.id: p for p in gold_passages}
         questions = [r.question for r in requests]
         envs = [self._make(questions, corpus) for _ in requests]
         loop = MultiTurnRollout(self.backend, self.tokenizer, sampling, self.config)
+        before = self.backend.contexts.counts()
         episodes = loop.run_episodes(envs, list(requests))
-        return episodes, dict(loop.retrieval_stats)
+        sent = {name: value - before[name] for name, value in self.backend.contexts.counts().items()}
+        return episodes, {**loop.retrieval_stats, **sent}
 
     def ping(self) -> bool:
         return True

@@ -53,7 +53,8 @@ class Runtime(Protocol):
     cfg: Any  # the run config it was built from (a runtime shared by several runs checks theirs against it)
     tokenizer: Any
     learners: Any
-    # The last ``rollout`` call's retrieval counts (``envs.retrieval_memo.COUNTERS``), summed over runners.
+    # The last ``rollout`` call's counts, summed over runners: retrieval (``envs.retrieval_memo.COUNTERS``)
+    # and, on Ray, the context ids sent to the rollout workers (``actors.env_runner.RayBackend``).
     rollout_stats: dict[str, int]
 
     def rollout(self, requests: Sequence[EpisodeRequest], sampling, env_kwargs: dict | None = None) -> list[Rollout]: ...

@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -94,7 +94,8 @@ def _step_reasoning(question, steps: Sequence[dict], i: int) -> str:
     if steps[i].get("retry"):  # says nothing of the first search's result: the retry is drawn blind
         return f"Let me look up {query} once more."
     if i == 0:
-        return f"To answer this I first need {query}."
+        cue = steps[i].get("cue")  # with_kind_cues: a sentence naming the question's type, never its mode
+        return f"{cue} To answer this I first need {query}." if cue else f"To answer this I first need {query}."
     previous = steps[i - 1].get("answer")
     if previous is None:  # steps derived from gold passages name no intermediate answer
         return f"That helps. Next I need {query}."
@@ -138,6 +139,40 @@ def with_search_modes(questions, modes: str | Sequence[str] = "golden", seed: in
                 mode = choices[(int(rotation) + i) % len(choices)]
             steps.append({**step, "mode": mode})
         out.append(dataclasses.replace(q, golden_trajectory=tuple(steps)))
+    return out
+
+
+def parse_kind_cues(text: str) -> dict[str, str]:
+    """``"graph_only=It asks about a person.;direct=It asks about a thing."`` -> ``{kind: sentence}``;
+    ``""`` -> ``{}`` (no cues)."""
+    cues = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, sep, sentence = item.partition("=")
+        if not sep or not kind.strip() or not sentence.strip():
+            raise ValueError(f"kind cue {item!r}: write kind=sentence, cues separated by ';'")
+        cues[kind.strip()] = sentence.strip()
+    return cues
+
+
+def with_kind_cues(questions, cues: Mapping[str, str]) -> list:
+    """Questions whose first golden thought opens with the sentence ``cues`` gives their ``kind``.
+
+    The cue names what the question is about, so that SFT teaches the policy to say which type a
+    question is before its first search; which mode that type needs is still RL's to learn (the
+    search modes come from ``with_search_modes`` as before). A cue must not name a mode: that
+    would teach the route itself. Questions of a kind without a cue are left as they are."""
+    for kind, sentence in cues.items():
+        named = [m for m in ("graph", "passage", "hybrid") if m in sentence.lower()]
+        if named:
+            raise ValueError(f"the cue for {kind!r} names the mode(s) {named}: a cue says what a question is "
+                             "about, not how to search for it")
+    out = []
+    for q in questions:
+        cue = cues.get(q.kind or "")
+        if cue and q.golden_trajectory:
+            first, *rest = q.golden_trajectory
+            q = dataclasses.replace(q, golden_trajectory=({**first, "cue": cue}, *rest))
+        out.append(q)
     return out
 
 
@@ -244,7 +279,8 @@ def _play_batch(envs, questions, builders, script) -> list[float]:
 def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=None, top_k: int = 3,
                     max_observation_tokens: int = 128, env_kwargs: dict | None = None,
                     modes: str | Sequence[str] = "golden", mode_seed: int = 0, mode_rotation: int | None = None,
-                    retry_share: float = 0.0, show_progress=True) -> list[dict]:
+                    retry_share: float = 0.0, kind_cues: Mapping[str, str] | None = None,
+                    show_progress=True) -> list[dict]:
     """One supervised example per question, played through the real environment.
 
     Each example is ``{"token_ids", "loss_mask", "question_id", "text", "reward", "num_searches",
@@ -259,7 +295,9 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
     format and leave *when* to use which mode to RL (``with_search_modes``); ``mode_rotation``
     replaces the draw by a fixed rotation of ``modes``. ``retry_share`` repeats one search of that
     share of the questions (``with_retried_searches``, seeded by ``mode_seed``), so the data also show
-    a second search of the same query, whose mode the rotation makes the other one.
+    a second search of the same query, whose mode the rotation makes the other one. ``kind_cues``
+    opens each question's first thought with the sentence given for its ``kind``
+    (``with_kind_cues``).
 
     ``max_observation_tokens`` caps each observation as the rollout does
     (``RolloutConfig.max_observation_tokens``); use the same value in both. R1-Router's
@@ -279,6 +317,8 @@ def golden_examples(questions, retriever, dialect: str, tokenizer, *, corpus=Non
     if retry_share:
         questions = with_retried_searches(questions, retry_share, mode_seed)
     questions = with_search_modes(questions, modes, mode_seed, mode_rotation)
+    if kind_cues:
+        questions = with_kind_cues(questions, kind_cues)
     for q in questions:
         for i, step in enumerate(q.golden_trajectory):
             if not isinstance(step, dict) or not isinstance(step.get("query"), str) or not step["query"].strip():

@@ -207,13 +207,16 @@ def teacher_prompt_ids(tokenizer, gold_passages: Sequence[str], prompt: str, max
     The paper appends the gold passages to the teacher's prompt, so the evidence comes after the
     episode's prompt, inside the same user message. The evidence is the gold passages joined by
     newlines, cut to its first ``max_evidence_tokens`` tokens (the cut is raggym's, to bound the
-    teacher's sequence; the paper states none). The cut is made on ids and decoded back to text
-    because the teacher reads the evidence inside one chat message, tokenized as a whole like any
-    prompt. The student's response tokens follow the whole teacher prompt (the chat template's
-    generation header included), so where the evidence sits inside it does not move them.
+    teacher's sequence; the paper states none). The cut is made on the evidence's characters, where
+    its last kept token ends (the tokenizer's offsets), not by decoding the kept ids, because the
+    teacher reads the evidence inside one chat message, tokenized once as a whole like any prompt.
+    The student's response tokens follow the whole teacher prompt (the chat template's generation
+    header included), so where the evidence sits inside it does not move them.
     """
-    evidence_ids = tokenizer("\n".join(gold_passages), add_special_tokens=False)["input_ids"][:max_evidence_tokens]
-    evidence = tokenizer.decode(evidence_ids, skip_special_tokens=True)
+    evidence = "\n".join(gold_passages)
+    offsets = tokenizer(evidence, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) > max_evidence_tokens:
+        evidence = evidence[: offsets[max_evidence_tokens - 1][1]] if max_evidence_tokens > 0 else ""
     return chat_prompt_ids(tokenizer, f"{prompt}\n\nEvidence:\n{evidence}")
 
 

@@ -131,8 +131,8 @@ def test_teacher_fields_append_the_gold_evidence_to_the_prompt_and_align_the_stu
 
     # The evidence is the gold passages joined by newlines, cut to its first 4 tokens.
     evidence_ids = tokenizer("The tower stands in Paris.\nParis is in France.", add_special_tokens=False)["input_ids"]
-    evidence = tokenizer.decode(evidence_ids[:4], skip_special_tokens=True)
-    assert len(evidence_ids) > 4 and evidence == "The tower stands in"
+    evidence = "The tower stands in"  # 'The' ' tower' ' stands' ' in'
+    assert len(evidence_ids) > 4 and evidence_ids[:4] == tokenizer(evidence, add_special_tokens=False)["input_ids"]
     # PathRouter appends the gold passages to the teacher's prompt: the question first, then the evidence.
     teacher_prompt = chat_prompt_ids(tokenizer, f"Where is the tower?\n\nEvidence:\n{evidence}")
     n = len(teacher_prompt)

@@ -16,6 +16,7 @@ import torch
 from actors.engines import RolloutWorker, SamplingParams
 from actors.engines.base import SessionEngine
 from actors.engines.rollout_worker import WeightsNotSyncedError
+from actors.env_runner import RayBackend
 from ray_world import wait_until_restarted
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -69,6 +70,14 @@ def test_ray_worker_serves_concurrent_sessions_and_a_restart_waits_for_weights(t
         (plain,) = ray.get(worker.generate.remote([PROMPT[:5]], sampling, (), 6))
         assert plain.token_ids == results[1].token_ids
 
+        # an episode's session through the env runner's backend: its second turn sends only the observation
+        backend = RayBackend([worker])
+        first = asyncio.run(backend.generate("episode", PROMPT, sampling, (), 4))
+        second_context = PROMPT + first.token_ids + [40, 41]
+        asyncio.run(backend.generate("episode", second_context, sampling, (), 4))
+        assert backend.contexts.counts() == {"context_ids_sent": len(PROMPT) + 2,
+                                             "context_ids": len(PROMPT) + len(second_context)}
+
         info = ray.get(worker.info.remote())
         assert info["synced"] and not info["restarted"]
         ray.kill(worker, no_restart=False)  # the process dies; Ray rebuilds the actor with the same arguments
@@ -82,5 +91,13 @@ def test_ray_worker_serves_concurrent_sessions_and_a_restart_waits_for_weights(t
         assert ray.get(worker.update_weights_async.remote(weights, 9)) == 9
         after = ray.get(worker.generate_async.remote("s0", PROMPT, sampling, (), 4), timeout=120)
         assert after.weight_version == 9 and len(after.token_ids) == 4
+        # the restarted worker holds nothing of the episode: it refuses the delta, and the backend
+        # sends the third turn whole, which samples what a fresh session of that context samples
+        third_context = second_context + [7, 7, 7, 50]
+        sent_before = backend.contexts.counts()["context_ids_sent"]
+        third = asyncio.run(backend.generate("episode", third_context, sampling, (), 4))
+        assert backend.contexts.counts()["context_ids_sent"] - sent_before == len(third_context)
+        fresh = ray.get(worker.generate_async.remote("fresh", third_context, sampling, (), 4), timeout=120)
+        assert third.token_ids == fresh.token_ids and third.weight_version == 9
     finally:
         ray.shutdown()

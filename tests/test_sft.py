@@ -370,3 +370,25 @@ def test_cli_dialect_choices_follow_the_registry(capsys):
         unregister_dialect("sft_cli_probe")
     with pytest.raises(SystemExit):
         parser.parse_args(args)
+
+
+def test_kind_cues_open_the_first_thought_of_their_kind_only_and_leave_the_modes(small_world, small_world_retriever,
+                                                                                  tokenizer):
+    from experiments.sft import parse_kind_cues
+
+    cues = parse_kind_cues("bridge=It chains two facts. ; comparison=It weighs two things.")
+    assert cues == {"bridge": "It chains two facts.", "comparison": "It weighs two things."}
+    bridge, one_hop = _pick(small_world, "bridge", 2), next(q for q in small_world.questions if q.hops == 1)
+    cued, plain = golden_examples([bridge, one_hop], small_world_retriever, "routerag", tokenizer, modes="passage",
+                                  kind_cues=cues, max_observation_tokens=64, show_progress=False)
+    first_query = bridge.golden_trajectory[0]["query"]
+    assert f"<think> It chains two facts. To answer this I first need {first_query}. </think>" in cued["text"]
+    assert cued["text"].count("It chains two facts.") == 1  # the first thought only
+    assert "It chains" not in plain["text"] and "It weighs" not in plain["text"]
+    assert cued["modes"] == ["passage", "passage"] and cued["reward"] == 1.0
+    with pytest.raises(ValueError, match="names the mode"):
+        golden_examples([bridge], small_world_retriever, "routerag", tokenizer,
+                        kind_cues={"bridge": "Search the graph."}, show_progress=False)
+    with pytest.raises(ValueError, match="kind=sentence"):
+        parse_kind_cues("bridge: It chains two facts.")
+    assert parse_kind_cues("") == {}

@@ -15,7 +15,10 @@ Sessions: ``generate_async(session_id, context_ids, ...)``, ``end_session`` and 
 worker a ``SessionEngine``. Because ``generate_async`` is ``async def``, Ray runs the worker as an
 async actor, so many sessions' requests are in flight at once and the engine batches them
 (``HFEngine`` continuously; an engine without sessions goes through
-``envs.session_adapter.as_session_engine``).
+``envs.session_adapter.as_session_engine``). ``continue_session(session_id, keep, new_ids, ...)``
+is the same turn sent as what is new since the last one: the worker keeps each open session's
+context (``actors.engines.session_context``), so a turn's call carries its observation's ids, not
+the whole context again.
 
 Weight versions: a worker built with ``require_sync=True`` refuses to generate until it has
 received weights once (``update_weights`` / ``receive_weights``). Ray rebuilds a restarted actor
@@ -32,6 +35,7 @@ import inspect
 from typing import Sequence
 
 from actors.engines.base import GenerationResult, SamplingParams, engine_info
+from actors.engines.session_context import HeldContexts
 from envs.session_adapter import as_session_engine
 
 
@@ -105,6 +109,7 @@ class RolloutWorker:
             raise ValueError(f"require_sync must be True, False or 'after_restart', got {require_sync!r}")
         self.engine = make_engine(engine, **engine_kwargs)
         self.sessions = as_session_engine(self.engine)
+        self.contexts = HeldContexts()  # each open session's context, so a turn sends only its new ids
         self.restarted = _restarted_by_ray()
         self.synced = not (require_sync is True or (require_sync == "after_restart" and self.restarted))
 
@@ -141,11 +146,29 @@ class RolloutWorker:
         stop_strings: Sequence[str] = (),
         max_new_tokens: int = 256,
     ) -> GenerationResult:
-        """One turn of a session (see ``actors.engines.base.SessionEngine``)."""
+        """One turn of a session, its whole context sent (see ``actors.engines.base.SessionEngine``)."""
+        return await self.continue_session(session_id, 0, context_token_ids, sampling, stop_strings, max_new_tokens)
+
+    async def continue_session(
+        self,
+        session_id: str,
+        keep: int,
+        new_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        max_new_tokens: int = 256,
+    ) -> GenerationResult:
+        """One turn of a session sent as what is new: the first ``keep`` ids this worker holds of
+        the session (its last context and the ids it sampled then), followed by ``new_token_ids``.
+        ``SessionContextLostError`` when it holds fewer (``actors.engines.session_context``)."""
         self._check_synced()
-        return await self.sessions.generate_async(session_id, context_token_ids, sampling, stop_strings, max_new_tokens)
+        context = self.contexts.rebuild(session_id, int(keep), new_token_ids)
+        result = await self.sessions.generate_async(session_id, context, sampling, stop_strings, max_new_tokens)
+        self.contexts.record(session_id, context, result.token_ids)
+        return result
 
     def end_session(self, session_id: str) -> None:
+        self.contexts.end(session_id)
         self.sessions.end_session(session_id)
 
     def load(self) -> dict:

@@ -95,7 +95,7 @@ from actors.cluster import init_ray
 from experiments.evaluate import (cost_regret, evaluate, last_snapshots, last_snapshots_text, resolve_policy,
                                  router_cost)
 from experiments.report import read_jsonl
-from experiments.sft import LR_SCHEDULES, balanced_order, golden_examples, grouped_order, run_sft
+from experiments.sft import LR_SCHEDULES, balanced_order, golden_examples, grouped_order, parse_kind_cues, run_sft
 from raggym.atomic import atomic_write_json, atomic_write_text
 from raggym.data import write_corpus, write_questions
 from raggym.data.splits import hold_out, hold_out_balanced
@@ -359,17 +359,18 @@ def graph_preference(model, tokenizer, examples: list[dict]) -> list[float]:
 
 
 def mode_probes(task: RoutingTask, retriever, tokenizer, eval_kwargs: dict, per_type: int = 16,
-                split: str = "heldout") -> dict[str, list[dict]]:
+                split: str = "heldout", kind_cues: str = "") -> dict[str, list[dict]]:
     """Golden prefixes of the first ``per_type`` questions of each type of ``split`` (``"heldout"``
     or ``"train"``), for ``graph_preference`` (the mode written in a probe's own search comes after
-    the slot and is never scored, so the cheap one is used)."""
+    the slot and is never scored, so the cheap one is used); with ``kind_cues``
+    (``SeedSettings.sft_kind_cues``) each prefix's thought opens with its type's cue."""
     pool = {"heldout": task.heldout, "train": task.train}[split]
     probes = {}
     for kind in sorted({task.kinds[q.id] for q in pool}):
         questions = [q for q in pool if task.kinds[q.id] == kind][:per_type]
         probes[kind] = golden_examples(questions, retriever, "routerag", tokenizer, corpus=task.corpus,
                                        top_k=eval_kwargs["top_k"], max_observation_tokens=eval_kwargs["max_observation_tokens"],
-                                       modes="passage", show_progress=False)
+                                       modes="passage", kind_cues=parse_kind_cues(kind_cues), show_progress=False)
     return probes
 
 
@@ -549,6 +550,11 @@ class SeedSettings:
     # data then show that a second search is allowed, drawn blind to the first one's result, so
     # RL may learn to search the cheap way first and go on to the graph only when that fails
     sft_retry_share: float = 0.0
+    # issue #64's type-cue lever: "kind=sentence;kind=sentence" opens each SFT question's first
+    # thought with its type's sentence (sft.with_kind_cues), e.g. "graph_only=It asks about a
+    # person.;direct=It asks about a thing."; the probes' golden prefixes carry the same cue, so
+    # the mode slot is read after the right cue (greedy rollouts write their own). "": no cue
+    sft_kind_cues: str = ""
     # the model tokens an episode may generate, in RL rollouts and in the evaluations (a retried
     # search makes an episode about 40 tokens longer)
     max_response_tokens: int = 96
@@ -594,7 +600,8 @@ def format_only_sft(task: RoutingTask, retriever, tokenizer, s: SeedSettings, se
                                           corpus=task.corpus, top_k=eval_kwargs["top_k"],
                                           max_observation_tokens=eval_kwargs["max_observation_tokens"],
                                           modes=modes, mode_seed=seed, mode_rotation=rotation,
-                                          retry_share=s.sft_retry_share, show_progress=show_progress)]
+                                          retry_share=s.sft_retry_share, kind_cues=parse_kind_cues(s.sft_kind_cues),
+                                          show_progress=show_progress)]
     return run_sft(s.policy, examples, out_dir, epochs=s.sft_epochs, lr=s.sft_lr, batch_size=s.sft_batch,
                    lr_schedule=s.sft_lr_schedule, epoch_order=SFT_ORDERS[s.sft_order], seed=seed,
                    show_progress=show_progress)
@@ -698,7 +705,7 @@ def run_seed(task: RoutingTask, seed: int, out: Path, s: SeedSettings, eval_kwar
             done["sft"] = format_only_sft(task, retriever, tokenizer, s, seed, out / "sft", eval_kwargs, show_progress)
         finished("sft", None if s.sft_from else time.perf_counter() - t0)
     sft = done["sft"]
-    probes = mode_probes(task, retriever, tokenizer, eval_kwargs, per_type=s.probes_per_type)
+    probes = mode_probes(task, retriever, tokenizer, eval_kwargs, per_type=s.probes_per_type, kind_cues=s.sft_kind_cues)
 
     def greedy_evaluation(policy_dir: str, folder: str) -> tuple[dict, dict]:
         # The logit-read mode choice beside the greedy evaluation: it moves with every update,
@@ -1391,7 +1398,7 @@ def _seed_settings_key(settings: SeedSettings, args) -> dict:
 
 # what an SFT policy depends on: a reused one must have been trained with the same values
 SFT_KEYS = ("sft_examples", "sft_epochs", "sft_lr", "sft_batch", "sft_modes", "sft_lr_schedule", "sft_order",
-            "sft_mode_sampling", "sft_retry_share", "policy")
+            "sft_mode_sampling", "sft_retry_share", "sft_kind_cues", "policy")
 
 
 def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | None) -> dict:
