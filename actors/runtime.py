@@ -125,7 +125,7 @@ def _env_kwargs(cfg, env_kwargs: dict | None, multi_kb: bool) -> dict:
 
 def learner_config(cfg) -> dict:
     """The ``LearnerConfig`` mapping of a config: its ``learner`` section plus the settings the
-    trainer takes from other sections (``experiments.config.SET_ELSEWHERE``)."""
+    trainer takes from other sections (``experiments.recipe.config.SET_ELSEWHERE``)."""
     learner = {**to_plain(cfg.learner), "model": cfg.policy.model, "temperature": float(cfg.rollout.temperature),
                "seed": int(cfg.run.seed)}
     reward = to_plain(cfg.get("reward")) or {}

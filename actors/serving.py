@@ -17,7 +17,7 @@ The pieces, from the bottom up:
   (one ``retrieve`` per mode for concurrent searches), and the HTTP ingress (``@serve.ingress``),
   which runs each episode in a worker thread and reaches the other two through deployment handles.
 
-``experiments/serve.py`` builds the application and the ``raggym serve`` command;
+``experiments/serve/app.py`` builds the application and the ``raggym serve`` command;
 ``docs/serving.md`` describes the HTTP API.
 """
 

@@ -16,7 +16,9 @@ import json
 import os
 import sys
 
-from experiments import demo, evaluate, serve
+from experiments import demo
+from experiments.eval import harness as evaluate
+from experiments.serve import app as serve
 from raggym.data import DataFormatError
 from raggym.data.cli import add_data_arguments, run_data
 from raggym.data.synthetic import WorldConfig, entities_for_passages, write_world
@@ -124,7 +126,7 @@ def _run_train(args) -> int:
 
 
 def _add_eval(sub):
-    p = sub.add_parser("eval", help="evaluate a policy: datasets x systems (same as python -m experiments.evaluate)",
+    p = sub.add_parser("eval", help="evaluate a policy: datasets x systems (same as python -m experiments.eval)",
                        description="Evaluate a policy on datasets with baseline systems (direct, vanilla_rag, agent, "
                                    "single-mode ablations) through the Ray rollout path; writes results.json, "
                                    "results.md and trajectories/*.jsonl under --out.")

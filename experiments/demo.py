@@ -11,7 +11,7 @@
    (EM + batch-centred efficiency over the retriever's deterministic cost);
 4. after SFT, after stage 1 and after stage 2: greedy evaluation on the held-out questions, and
    the policy's graph preference read from its logits at the mode slot of held-out questions
-   (``experiments.studies.routing.graph_preference``);
+   (``experiments.recipe.routing.graph_preference``);
 5. ``report.md`` / ``report.json`` — with ``rl_effect``: what RL changed on the graph-only
    questions, and what stage 2 did to retrieval cost — and PNG plots.
 
@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 from actors.cluster import init_ray
-from experiments.report import write_report
-from experiments.sft import LR_SCHEDULES
-from experiments.studies.routing import (EVAL_KWARGS, SFT_MODE_SAMPLING, SFT_ORDERS, SeedSettings, build_task, plot,
-                                         recall_by_mode, rl_effect, run_seed, sft_modes, summarise)
+from experiments.eval.report import write_report
+from experiments.recipe.sft import LR_SCHEDULES
+from experiments.recipe.routing import (EVAL_KWARGS, SFT_MODE_SAMPLING, SFT_ORDERS, SeedSettings, build_task, plot,
+                                        recall_by_mode, rl_effect, run_seed, sft_modes, summarise)
 from raggym.data.synthetic import WorldConfig, generate_world, write_world
 from raggym.retrieval import Retriever
 

@@ -10,7 +10,7 @@ teacher-forced steps) -> learner update (DeepSpeed group) -> weight sync -> log 
 TensorBoard) -> checkpoint -> held-out evaluation.
 
 One typed ``raggym.trajectory.Rollout`` flows from the rollout loop to the learner; rewards read
-its ``outcome``. Config: ``experiments/config.py`` (one YAML per paper in ``experiments/configs``,
+its ``outcome``. Config: ``experiments/recipe/config.py`` (one YAML per paper in ``experiments/configs``,
 see docs/recipes.md). Checkpoints (``<out_dir>/checkpoints/step-NNNNNN``) hold the policy in HF
 format, the optimizer state, the step, the prompt sampler's cursor and RNG state (safetensors and
 JSON); with ``run.resume=true`` the latest complete one is picked up and the next step's batch and
@@ -39,10 +39,10 @@ from actors.runtime import (bound_staleness, learner_config, make_runtime, takes
                             teacher_evidence_tokens)
 from actors.storage import RunStorage, StorageError, stage_on_every_node
 from actors.sync_verify import WeightSyncError
-from experiments.config import ConfigError, load_config, to_plain, validate_config
-from experiments.evaluate import evaluate_episodes
-from experiments.sft import golden_examples, run_sft
-from experiments.training import (RunData, episode_requests, golden_steps_for, latest_checkpoint, load_run_data,
+from experiments.recipe.config import ConfigError, load_config, to_plain, validate_config
+from experiments.eval.harness import evaluate_episodes
+from experiments.recipe.sft import golden_examples, run_sft
+from experiments.recipe.training import (RunData, episode_requests, golden_steps_for, latest_checkpoint, load_run_data,
                                   open_run_storage, restore_checkpoint, reward_schedule, round_seed_index,
                                   sampling_params, save_checkpoint, step_metrics, dump_rollouts, mode_choice_slot)
 from raggym.algorithms import dynamic_sampling_filter, get_advantage_estimator
@@ -58,7 +58,7 @@ from raggym.rewards.r1_router import TEXT_KB
 def open_runtime(cfg):
     """The runtime ``train(cfg)`` would build (engines, env runners, retrieval, learners), for a
     caller that runs several trainings and evaluations on one engine and one learner group:
-    ``train(cfg_i, runtime=rt)`` for each stage, ``experiments.evaluate.evaluate(..., runtime=rt)``
+    ``train(cfg_i, runtime=rt)`` for each stage, ``experiments.eval.harness.evaluate(..., runtime=rt)``
     between them. The caller shuts it down. Not for runs with an SFT cold start (the cold start
     decides the policy the runtime would load)."""
     validate_config(cfg)

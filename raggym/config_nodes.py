@@ -3,7 +3,7 @@
 ``to_plain(node)`` turns an OmegaConf node (``DictConfig``/``ListConfig``) into dicts, lists and
 scalars; anything else passes through. ``ConfigError`` is the one error a bad config raises.
 ``check_runtime_serves`` refuses an open runtime built from a config that differs where it matters. The
-config itself (``experiments/config.py``) and the runtime that reads it (``actors/runtime.py``)
+config itself (``experiments/recipe/config.py``) and the runtime that reads it (``actors/runtime.py``)
 both use them, so they live below both.
 """
 

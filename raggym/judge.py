@@ -6,7 +6,7 @@ hinges on it) and at test time. raggym offers the same: a judge is any callable:
     judge(question, prediction, gold_answers) -> bool
 
 ``LLMJudge`` asks a language model. It is built on a text-in/text-out ``generate`` function, so
-this layer stays free of engines and Ray; ``experiments.judge.make_judge`` builds one from an
+this layer stays free of engines and Ray; ``experiments.recipe.judge.make_judge`` builds one from an
 engine spec (any registered engine and any model, the policy's own base model included). Its
 verdicts are cached per (question, prediction, gold answers) — the gold answers belong to the
 question, so in practice one entry per (question, answer) pair — and a repeated pair costs no
@@ -148,7 +148,7 @@ def judge_many(judge: Judge, items: Sequence[tuple[str, str | None, Sequence[str
 
 @dataclass(frozen=True)
 class JudgeConfig:
-    """How ``experiments.judge.make_judge`` builds an LLM judge (the ``judge:`` config section).
+    """How ``experiments.recipe.judge.make_judge`` builds an LLM judge (the ``judge:`` config section).
 
     ``engine`` is any engine name ``actors.engines.make_engine`` knows (``hf``, ``vllm``, a
     registered name or ``"module:callable"``); ``model`` is any model spec, or ``"policy"`` for

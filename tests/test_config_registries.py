@@ -1,4 +1,4 @@
-"""experiments.config: the open registries (reward methods, advantage estimators, gymnasium env
+"""experiments.recipe.config: the open registries (reward methods, advantage estimators, gymnasium env
 ids, engines) accept what users register and reject unknown names with the known ones listed;
 configs built in Python and edited configs are checked like loaded ones."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-from experiments.config import ConfigError, config_from_dict, load_config, to_plain, validate_config
-from experiments.training import mode_choice_slot
+from experiments.recipe.config import ConfigError, config_from_dict, load_config, to_plain, validate_config
+from experiments.recipe.training import mode_choice_slot
 
 TINY = "experiments/configs/search_r1_tiny.yaml"
 

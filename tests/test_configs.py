@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import ConfigError, load_config
+from experiments.recipe.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
 METHODS = ("routerag", "pathrouter", "lws", "graphrag_r1", "r1_router", "search_r1")
@@ -190,7 +190,7 @@ def test_tiny_config_trains_one_step(method, tmp_path, shared_index):
         reward.pop("embedder", None)
         embed = None
         if method == "lws":
-            from experiments.training import make_embed
+            from experiments.recipe.training import make_embed
 
             embed = make_embed("minilm")
         sched = reward_schedule_from_config(reward, embed=embed)

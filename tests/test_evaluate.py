@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.evaluate import (SYSTEMS, aggregate, average_over_datasets, episode_metrics, markdown_table,
+from experiments.eval.harness import (SYSTEMS, aggregate, average_over_datasets, episode_metrics, markdown_table,
                                   plan_systems, resolve_policy, split_questions)
 from raggym.data import Question
 
@@ -180,7 +180,7 @@ def test_small_real_run_through_ray(ray_local, tmp_path):
     vanilla RAG and the agent; hybrid_only is skipped with its reason."""
     import ray
 
-    from experiments.evaluate import evaluate
+    from experiments.eval.harness import evaluate
     from raggym.data import write_corpus, write_questions
     from raggym.data.synthetic import generate_world
 

@@ -96,7 +96,7 @@ def test_records_without_evidence_are_refused_with_the_dataset_and_what_is_missi
 
 def test_graphrag_r1_cold_start_plays_steps_derived_from_gold_passages(small_world, small_world_retriever):
     """The synthetic questions with their own steps removed stand for HotpotQA-style records."""
-    from experiments.sft import golden_examples
+    from experiments.recipe.sft import golden_examples
     from raggym.models import load_policy_tokenizer
 
     tokenizer = load_policy_tokenizer("smollm2-135m")
@@ -116,7 +116,7 @@ def test_graphrag_r1_cold_start_plays_steps_derived_from_gold_passages(small_wor
 @pytest.mark.integration  # builds a real index with its knowledge graph: about a minute on two cores
 def test_graphrag_r1_cold_start_on_musique_sub(musique_dir, tmp_path):
     """Real MuSiQue records (their own paragraphs as the corpus) through GraphRAG-R1's golden episodes."""
-    from experiments.sft import golden_examples
+    from experiments.recipe.sft import golden_examples
     from raggym.models import load_policy_tokenizer
     from raggym.retrieval import Retriever
 

@@ -64,7 +64,7 @@ def smollm_engine():
 
 
 def test_judge_on_the_embedded_policy_engine_is_deterministic_and_cached(smollm_engine):
-    from experiments.judge import engine_judge, make_judge
+    from experiments.recipe.judge import engine_judge, make_judge
 
     judge = engine_judge(smollm_engine)
     calls = []

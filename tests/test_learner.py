@@ -357,7 +357,7 @@ def test_kept_policies_outlive_checkpoint_pruning_and_equal_their_checkpoints_po
     import secrets
 
     from actors.storage import RunStorage
-    from experiments.training import KEPT_POLICY_MARKER, kept_policies, save_checkpoint
+    from experiments.recipe.training import KEPT_POLICY_MARKER, kept_policies, save_checkpoint
 
     MODEL["path"] = tiny_model
     learner = Learner(config(zero_stage=0, micro_batch_size=4))
@@ -669,7 +669,7 @@ def test_teacher_kl_is_the_mean_over_the_batchs_evidence_poor_trajectories(tiny_
 def test_theta_p_is_one_key_for_the_routes_and_the_teacher_selection():
     from pathlib import Path
 
-    from experiments.config import ConfigError, load_config
+    from experiments.recipe.config import ConfigError, load_config
     from actors.runtime import learner_config
 
     tiny = str(Path(__file__).resolve().parents[1] / "experiments" / "configs" / "pathrouter_tiny.yaml")

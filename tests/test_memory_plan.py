@@ -1,10 +1,10 @@
-"""The per-GPU memory plan of the GPU recipes (experiments/memory_plan.py)."""
+"""The per-GPU memory plan of the GPU recipes (experiments/recipe/memory_plan.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from experiments.memory_plan import (
+from experiments.recipe.memory_plan import (
     FIT_FRACTION,
     GIB,
     GPU_BYTES,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.studies.mode_gradients import gradient_alignment, mean_mode_gradient, mode_gradient_alignment
-from experiments.studies.routing import graph_preference, mode_logit, mode_logits, mode_slot_tokens, routing_accuracy
+from experiments.recipe.routing import graph_preference, mode_logit, mode_logits, mode_slot_tokens, routing_accuracy
 
 
 def test_alignment_figures_by_hand():

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.learner import Learner, LearnerConfig, make_train_batch
-from experiments.config import ConfigError, load_config
+from experiments.recipe.config import ConfigError, load_config
 from raggym.algorithms.batch import TrainBatch
 from raggym.algorithms.losses import aggregate_loss
 from raggym.algorithms.policy_loss import (

@@ -280,8 +280,8 @@ def test_dynamic_sampling_keeps_only_groups_with_differing_step_keyed_rewards():
 
 
 def test_each_resampling_round_draws_its_own_seed():
-    from experiments.config import load_config
-    from experiments.training import round_seed_index, sampling_params
+    from experiments.recipe.config import load_config
+    from experiments.recipe.training import round_seed_index, sampling_params
 
     assert round_seed_index(5, 0) == 5  # round 0 is the step's own seed, so DAPO off reproduces plain GRPO
     indices = {round_seed_index(step, r) for step in range(50) for r in range(4)}

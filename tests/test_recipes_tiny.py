@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.config import load_config, to_plain
+from experiments.recipe.config import load_config, to_plain
 
 pytestmark = pytest.mark.integration  # seven train() steps, each starting a vLLM engine
 
@@ -56,7 +56,7 @@ def run_one_step(method: str, policy: str, index_root: Path, out: Path, *overrid
 
 def stage_rewards(cfg, outcomes, step: int = 0) -> list[float]:
     """The config's reward stage at ``step`` applied to ``outcomes`` (the recipe's own reward path)."""
-    from experiments.training import reward_schedule
+    from experiments.recipe.training import reward_schedule
 
     return reward_schedule(cfg)(step)(outcomes)
 

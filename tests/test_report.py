@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments.report import comparison_rows, mode_mix, mode_mix_by_step, read_jsonl, write_report
+from experiments.eval.report import comparison_rows, mode_mix, mode_mix_by_step, read_jsonl, write_report
 
 
 def test_mode_mix_counts_searches_not_episodes():

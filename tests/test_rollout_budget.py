@@ -22,7 +22,7 @@ from actors.runtime import _rollout_config
 from envs import RagSearchEnv
 from envs.rollout import RESPONSE_BUDGET_COUNTS, EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
 from raggym.algorithms.spans import SpanLabel
-from experiments.config import load_config
+from experiments.recipe.config import load_config
 from raggym.data import Corpus
 from test_envs_support import PASSAGES, QUESTIONS, make_retriever
 

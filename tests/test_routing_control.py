@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import experiments.train
-from experiments.config import load_config
-from experiments.report import read_jsonl
-from experiments.studies import routing
-from experiments.studies.routing import (RL_CONFIG, RoutingTask, SeedSettings, SeedStopped, build_parser,
-                                         control_overrides, fork_checkpoint, pending_snapshots, run_seed,
-                                         runtime_differs, seed_snapshots, show_progress, snapshot_steps,
-                                         stage_configs)
-from experiments.training import CHECKPOINT_MARKER, latest_checkpoint, reward_schedule
+from experiments.recipe.config import load_config
+from experiments.eval.report import read_jsonl
+from experiments.recipe import routing
+from experiments.recipe.routing import (RL_CONFIG, RoutingTask, SeedSettings, SeedStopped, control_overrides,
+                                        fork_checkpoint, pending_snapshots, run_seed, runtime_differs, seed_snapshots,
+                                        snapshot_steps, stage_configs)
+from experiments.studies.routing import build_parser, show_progress
+from experiments.recipe.training import CHECKPOINT_MARKER, latest_checkpoint, reward_schedule
 
 # ----------------------------------------------------------------------------- the control's config
 

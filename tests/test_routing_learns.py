@@ -24,9 +24,10 @@ import statistics
 
 import pytest
 
-from experiments.config import load_config
-from experiments.report import read_jsonl
-from experiments.studies.routing import EVAL_KWARGS, RL_CONFIG, build_task, format_only_sft, graph_preference, mode_probes
+from experiments.recipe.config import load_config
+from experiments.eval.report import read_jsonl
+from experiments.recipe.routing import (EVAL_KWARGS, RL_CONFIG, build_task, format_only_sft, graph_preference,
+                                        mode_probes)
 
 # `make test-slow`, not CI: docs/development.md says which CI tests catch what this one would.
 pytestmark = pytest.mark.slow
@@ -40,7 +41,7 @@ def test_stage1_rl_raises_the_graph_preference_on_graph_needing_questions(tmp_pa
 
     from experiments.cli import build_parser
     from experiments.demo import demo_settings
-    from experiments.evaluate import resolve_policy
+    from experiments.eval.harness import resolve_policy
     from experiments.train import train
     from raggym.data import write_questions
     from raggym.models import load_policy, load_policy_tokenizer

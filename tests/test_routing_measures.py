@@ -1,5 +1,5 @@
 """Issue #64's measurement: a type-balanced held-out split, cost regret against the perfect router,
-headline figures from the last snapshots (``experiments.evaluate``), and the routing study's
+headline figures from the last snapshots (``experiments.eval.harness``), and the routing study's
 stage-2-only trainer options (``experiments.studies.routing``)."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.evaluate import cost_regret, last_snapshots, last_snapshots_text, router_cost
-from experiments.studies.routing import (CONTROL_STAGE, REPO, STAGES, SeedSettings, branch_headlines, build_parser,
-                                         headlines_over_seeds, issue64_markdown, issue64_targets, markdown,
-                                         reference_router_costs, regret_by_stage, runtime_differs, stage2_effect,
-                                         stage_configs, summarise, target_line)
+from experiments.eval.harness import cost_regret, last_snapshots, last_snapshots_text, router_cost
+from experiments.recipe.routing import (CONTROL_STAGE, REPO, STAGES, SeedSettings, branch_headlines,
+                                        headlines_over_seeds, issue64_markdown, issue64_targets, markdown,
+                                        reference_router_costs, regret_by_stage, runtime_differs, stage2_effect,
+                                        stage_configs, summarise, target_line)
+from experiments.studies.routing import build_parser
 from raggym.data import Question
 from raggym.data.splits import hold_out, hold_out_balanced
 

@@ -11,9 +11,9 @@ import time
 import pytest
 import ray
 
-from experiments.report import read_jsonl
-from experiments.studies.routing import (EVAL_KWARGS, SeedProgress, SeedSettings, SeedStopped, build_task, run_seed,
-                                         seed_settings_key)
+from experiments.eval.report import read_jsonl
+from experiments.recipe.routing import (EVAL_KWARGS, SeedProgress, SeedSettings, SeedStopped, build_task, run_seed,
+                                        seed_settings_key)
 
 # `make test-slow`, not CI: docs/development.md says which CI tests catch what this one would.
 pytestmark = pytest.mark.slow

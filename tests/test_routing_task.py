@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.studies.routing import (add_preference, graph_share, markdown, right_route, rl_effect, route_advantages,
-                                         routing_targets, summarise, targets, training_curves, typed_metrics,
-                                         wall_time_line)
-from experiments.sft import with_search_modes
+from experiments.recipe.routing import (add_preference, graph_share, markdown, right_route, rl_effect,
+                                        route_advantages, routing_targets, summarise, targets, training_curves,
+                                        typed_metrics, wall_time_line)
+from experiments.recipe.sft import with_search_modes
 from raggym.data.synthetic import RELATIONS, WorldConfig, generate_world
 
 GRAPH_ONLY = ("born_in", "works_for", "educated_at")
@@ -127,7 +127,7 @@ def test_typed_metrics_by_hand():
 
 
 def test_repeated_heldout_questions_keep_their_type(tmp_path, world):
-    from experiments.studies.routing import RoutingTask, repeated_questions
+    from experiments.recipe.routing import RoutingTask, repeated_questions
     from raggym.data import write_questions
 
     heldout = world.questions[:5]
@@ -235,7 +235,7 @@ def _write_run(run_dir, steps, metrics):
 
 
 def test_training_blocks_by_hand(tmp_path):
-    from experiments.studies.routing import run_blocks, training_blocks, training_blocks_markdown
+    from experiments.recipe.routing import run_blocks, training_blocks, training_blocks_markdown
 
     kinds = {"g1": "graph_only", "d1": "direct"}
     t = _trajectory
@@ -381,12 +381,13 @@ def test_graph_preference_effect_entries_by_hand():
 
 
 def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
-    from experiments.studies.routing import SeedSettings, _seed_settings_key, build_parser, finished_seed
+    from experiments.recipe.routing import SeedSettings, finished_seed, settings_key_of_args
+    from experiments.studies.routing import build_parser
 
     args = build_parser().parse_args(["--seeds", "0"])
     settings = SeedSettings(overrides=("learner.optimizer.lr=1e-5",))
     assert finished_seed(tmp_path, settings, args) is None  # nothing there
-    (tmp_path / "seed_report.json").write_text(json.dumps({"seed": 0, "settings": _seed_settings_key(settings, args)}))
+    (tmp_path / "seed_report.json").write_text(json.dumps({"seed": 0, "settings": settings_key_of_args(settings, args)}))
     assert finished_seed(tmp_path, settings, args)["seed"] == 0
     written = (tmp_path / "seed_report.json").read_text()
     # a finished seed is never run over: other settings (a repeated override included) or another
@@ -399,7 +400,7 @@ def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
         finished_seed(tmp_path, settings, build_parser().parse_args(["--heldout", "10"]))
     assert (tmp_path / "seed_report.json").read_text() == written
     # a report written before a setting existed is read with that setting at its default
-    older = {k: v for k, v in _seed_settings_key(settings, args).items() if k != "sft_retry_share"}
+    older = {k: v for k, v in settings_key_of_args(settings, args).items() if k != "sft_retry_share"}
     (tmp_path / "seed_report.json").write_text(json.dumps({"seed": 0, "settings": older}))
     assert finished_seed(tmp_path, settings, args)["seed"] == 0
     with pytest.raises(ValueError, match=r"sft_retry_share.*\(0.0, 0.5\)"):
@@ -410,7 +411,7 @@ def test_a_seed_finished_with_the_same_settings_is_read_back(tmp_path):
 
 
 def test_seed_progress_reads_an_older_key_with_new_settings_at_their_default(tmp_path):
-    from experiments.studies.routing import SeedProgress, SeedSettings, seed_settings_key
+    from experiments.recipe.routing import SeedProgress, SeedSettings, seed_settings_key
 
     key = seed_settings_key(SeedSettings(stage1_steps=5), {"heldout": 48})
     older = {k: v for k, v in key.items() if k != "max_response_tokens"}
@@ -423,7 +424,8 @@ def test_seed_progress_reads_an_older_key_with_new_settings_at_their_default(tmp
 
 
 def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_path):
-    from experiments.studies.routing import SeedSettings, _seed_settings_key, build_parser, reused_sft
+    from experiments.recipe.routing import SeedSettings, reused_sft, settings_key_of_args
+    from experiments.studies.routing import build_parser
 
     args = build_parser().parse_args(["--seeds", "0", "--sft-from", str(tmp_path)])
     assert args.sft_from == str(tmp_path)
@@ -431,7 +433,7 @@ def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_pa
     with pytest.raises(ValueError, match="seed_report.json"):  # nothing there
         reused_sft(seed_dir, earlier, {})
     (seed_dir / "sft" / "policy").mkdir(parents=True)
-    (seed_dir / "seed_report.json").write_text(json.dumps({"settings": _seed_settings_key(earlier, args)}))
+    (seed_dir / "seed_report.json").write_text(json.dumps({"settings": settings_key_of_args(earlier, args)}))
     (seed_dir / "sft" / "sft_summary.json").write_text(json.dumps({"examples": 96, "steps": 24, "loss_first": 2.4,
                                                                    "loss_last": 0.2, "policy_dir": "/elsewhere"}))
     task = {"world_seed": args.world_seed, "entities": args.entities, "questions": args.questions, "heldout": args.heldout}
@@ -456,7 +458,8 @@ def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_pa
 
 
 def test_retry_and_response_budget_flags():
-    from experiments.studies.routing import SeedSettings, build_parser
+    from experiments.recipe.routing import SeedSettings
+    from experiments.studies.routing import build_parser
 
     args = build_parser().parse_args(["--sft-retry-share", "0.5", "--max-response-tokens", "144"])
     assert (args.sft_retry_share, args.max_response_tokens) == (0.5, 144)
@@ -465,7 +468,7 @@ def test_retry_and_response_budget_flags():
 
 
 def test_sft_modes_weight_the_draw_and_reject_typos(world):
-    from experiments.studies.routing import sft_modes
+    from experiments.recipe.routing import sft_modes
 
     assert sft_modes("passage, passage,graph") == ("passage", "passage", "graph")
     for bad in ("", "passage,grpah", "text"):
@@ -481,7 +484,8 @@ def test_sft_modes_weight_the_draw_and_reject_typos(world):
 def test_sft_order_and_schedule_flags(capsys):
     import random
 
-    from experiments.studies.routing import SFT_ORDERS, SeedSettings, build_parser, graph_searches
+    from experiments.recipe.routing import SFT_ORDERS, SeedSettings, graph_searches
+    from experiments.studies.routing import build_parser
 
     args = build_parser().parse_args(["--sft-order", "per-question", "--sft-lr-schedule", "linear",
                                       "--sft-mode-sampling", "every"])

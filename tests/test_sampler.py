@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.config import ConfigError, load_config
+from experiments.recipe.config import ConfigError, load_config
 from raggym.data import Question
 from raggym.data.sampler import BalancedPromptSampler, PromptSampler, make_prompt_sampler
 

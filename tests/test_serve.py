@@ -28,7 +28,7 @@ from envs import RagSearchEnv
 from raggym.trajectory import chat_prompt_ids
 from test_serve_api import MALFORMED, request  # the malformed-body strategy and the HTTP helper, shared
 from free_ports import free_port
-from experiments.serve import (
+from experiments.serve.app import (
     VLLM_CPU_POLICY_CPUS, CheckpointError, UnknownCluster, check_index, load_config, policy_resources,
     resolve_checkpoint, supported_modes)
 
@@ -71,7 +71,7 @@ def server(index, request):
     import ray
     from ray import serve
 
-    from experiments.serve import API_KEY_ENV, start
+    from experiments.serve.app import API_KEY_ENV, start
 
     engine = request.param
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
@@ -399,7 +399,7 @@ def test_a_deployment_the_cluster_cannot_hold_fails_before_deploying(server):
 
     from ray import serve
 
-    from experiments.serve import ResourcesUnavailable, start
+    from experiments.serve.app import ResourcesUnavailable, start
 
     _, settings_ = server
     t = time.perf_counter()
@@ -455,10 +455,10 @@ def test_graphless_index_serves_passage_only(world, tmp_path):
     with pytest.raises(ValueError, match="not a raggym index"):
         check_index(str(tmp_path))
 
-    # the `serve run experiments.serve:app key=value` builder takes string arguments
+    # the `serve run experiments.serve.app:app key=value` builder takes string arguments
     from ray.serve import Application
 
-    from experiments.serve import app
+    from experiments.serve.app import app
 
     assert isinstance(app({"index": str(path), "max_batch_size": "4", "top_k": "2"}), Application)
     with pytest.raises(ValueError, match="unknown serve argument"):
@@ -466,7 +466,7 @@ def test_graphless_index_serves_passage_only(world, tmp_path):
 
 
 def test_resource_needs_of_the_app_and_the_fit_check(index):
-    from experiments.serve import (
+    from experiments.serve.app import (
         DeploymentNeed, ResourcesUnavailable, build_app, check_resources, deployment_needs, total_need)
 
     assert load_config({"index": "idx"}, env={})["app"]["engine"] == "vllm"  # the default engine
@@ -595,7 +595,7 @@ def test_config_from_args_and_environment():
 
 
 def test_api_keys_come_from_the_environment_or_a_file(tmp_path):
-    from experiments.serve import read_api_keys
+    from experiments.serve.app import read_api_keys
 
     assert read_api_keys(None, env={}) == []
     key_file = tmp_path / "keys"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.sft import (balanced_order, build_parser, golden_examples, grouped_order, lr_factor,
+from experiments.recipe.sft import (balanced_order, build_parser, golden_examples, grouped_order, lr_factor,
                              masked_cross_entropy, run_sft, with_retried_searches, with_search_modes)
 from raggym.protocol import DIALECT_NAMES as DIALECTS
 
@@ -141,7 +141,7 @@ def test_masked_cross_entropy_matches_a_hand_computed_value():
 def _batch_loss(model, examples):
     import torch
 
-    from experiments.sft import _masked_nll_sum, _pad
+    from experiments.recipe.sft import _masked_nll_sum, _pad
 
     rows = [(e["token_ids"], e["loss_mask"]) for e in examples]
     ids, att, mask = _pad(rows, 0, "cpu")
@@ -374,7 +374,7 @@ def test_cli_dialect_choices_follow_the_registry(capsys):
 
 def test_kind_cues_open_the_first_thought_of_their_kind_only_and_leave_the_modes(small_world, small_world_retriever,
                                                                                   tokenizer):
-    from experiments.sft import parse_kind_cues
+    from experiments.recipe.sft import parse_kind_cues
 
     cues = parse_kind_cues("bridge=It chains two facts. ; comparison=It weighs two things.")
     assert cues == {"bridge": "It chains two facts.", "comparison": "It weighs two things."}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from experiments.config import load_config
+from experiments.recipe.config import load_config
 
 pytestmark = pytest.mark.integration  # a vLLM engine and two training stages: about a minute here
 
@@ -52,7 +52,7 @@ def shared(tmp_path_factory, tiny_vllm_policy):
 
 def heldout_dataset(root: Path, cfg) -> list[dict]:
     """The tiny recipe's synthetic world as an evaluation dataset over the runtime's own index."""
-    from experiments.config import to_plain
+    from experiments.recipe.config import to_plain
     from raggym.data import write_corpus, write_questions
     from raggym.data.synthetic import generate_world
 
@@ -65,7 +65,7 @@ def heldout_dataset(root: Path, cfg) -> list[dict]:
 
 
 def test_an_evaluation_and_two_stages_share_one_engine_and_learner(shared):
-    from experiments.evaluate import evaluate
+    from experiments.eval.harness import evaluate
     from experiments.train import train
 
     rt, root, out = shared["runtime"], shared["root"], shared["out"]
@@ -86,7 +86,7 @@ def test_an_evaluation_and_two_stages_share_one_engine_and_learner(shared):
     # still open, and the engine holds the learner's latest weights: its samples carry version 2
     # and the learner's recomputed log-probs of them match the engine's (the logged drift)
     from envs.rollout import EpisodeRequest
-    from experiments.training import load_run_data, sampling_params
+    from experiments.recipe.training import load_run_data, sampling_params
 
     question = load_run_data(second, out).questions[0]
     rollouts = rt.rollout([EpisodeRequest(question, "after:0")], sampling_params(second, 0))
@@ -98,7 +98,7 @@ def test_an_evaluation_and_two_stages_share_one_engine_and_learner(shared):
 
 
 def test_a_run_that_does_not_match_the_shared_runtime_is_refused(shared):
-    from experiments.evaluate import evaluate
+    from experiments.eval.harness import evaluate
     from experiments.train import train
 
     rt, root = shared["runtime"], shared["root"]

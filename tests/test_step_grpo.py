@@ -12,7 +12,7 @@ from actors.engines.base import SamplingParams
 from envs import MultiKBRouteEnv
 from envs.rollout import RolloutConfig
 from actors.runtime import GOLD_KB_NAMES, InProcessRollouts
-from experiments.training import episode_requests
+from experiments.recipe.training import episode_requests
 from raggym.algorithms import get_advantage_estimator
 from raggym.rewards import EpisodeOutcome
 from raggym.rewards.r1_router import TABLE_KB, TEXT_KB, r1_router_step_rewards

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import ConfigError, load_config
-from experiments.training import episode_requests, golden_steps_for
+from experiments.recipe.config import ConfigError, load_config
+from experiments.recipe.training import episode_requests, golden_steps_for
 from test_envs_support import QUESTIONS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"

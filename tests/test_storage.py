@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from actors.storage import RunStorage, StorageError, check_storage_on_every_node, staging_root
-from experiments.training import CHECKPOINT_MARKER, latest_checkpoint
+from experiments.recipe.training import CHECKPOINT_MARKER, latest_checkpoint
 
 
 def test_a_relative_location_is_refused_on_a_cluster_and_made_absolute_on_one_node(tmp_path, monkeypatch):

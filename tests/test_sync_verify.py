@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from actors.sync_verify import (FP32_TOLERANCE, PROBE_TEXT, REDUCED_PRECISION_TOLERANCE, SyncVerifier, WeightSyncError,
                                 default_tolerance, probe_token_ids, read_probe)
 from actors.runtime import sync_verifier
-from experiments.config import load_config
+from experiments.recipe.config import load_config
 from raggym.models import load_policy_tokenizer
 
 TOL = 1e-4

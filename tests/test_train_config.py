@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.config import ConfigError, config_from_dict, load_config
+from experiments.recipe.config import ConfigError, config_from_dict, load_config
 from raggym.data.sampler import PromptSampler
 
 

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.integration
 import deepspeed  # noqa: E402,F401  (the learner group needs it; fail loudly when it is missing)
 import ray  # noqa: E402,F401
 
-from experiments.training import HOLD_CHECKPOINT_ENV  # noqa: E402
+from experiments.recipe.training import HOLD_CHECKPOINT_ENV  # noqa: E402
 from free_ports import free_ports  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

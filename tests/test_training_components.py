@@ -94,7 +94,7 @@ def test_a_train_batch_checks_its_fields_slices_them_and_pads_with_inert_rows():
 
 
 def test_episode_requests_share_the_prompt_id_within_a_group():
-    from experiments.training import episode_requests
+    from experiments.recipe.training import episode_requests
     from raggym.data import Question
 
     qs = [Question(id="a", question="A?", answers=["x"]), Question(id="b", question="B?", answers=["y"])]
@@ -116,7 +116,7 @@ def test_outcome_round_trips_steps_and_env_reward_and_caches_its_metrics():
 
 
 def test_episode_records_join_the_calls_of_one_episode():
-    from experiments.evaluate import episode_records
+    from experiments.eval.harness import episode_records
 
     calls = [_rollout([1, 2], [0, 1], [0, -1], prompt_id="e:q", step=0),
              _rollout([3, 4, 5], [0, 1, 1], [0, -1, -1], prompt_id="e:q", step=1),
@@ -126,7 +126,7 @@ def test_episode_records_join_the_calls_of_one_episode():
 
 
 def test_step_metrics_by_hand():
-    from experiments.training import step_metrics
+    from experiments.recipe.training import step_metrics
 
     rollouts = [_rollout([1, 2, 3], [0, 1, 1], [0, -1, -1], answer="Paris", env_reward=1.0, queries=("a", "b")),
                 _rollout([1, 2], [0, 1], [0, -1], answer=None, env_reward=0.0)]

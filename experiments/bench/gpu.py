@@ -43,7 +43,7 @@ Sections:
   the 3B shape's vocabulary (151,936 × 2,048): full logits vs ``chunked_token_logprobs``.
 - ``ppr``: batched PPR (batch 64) on CUDA vs CPU on the synthetic 1.02M-node graph (``--ppr-graph``
   from ``--save-ppr-graph``, or built here); top-10 agreement; where a CUDA run spends its time.
-- ``smoke``: what ``experiments/gpu_smoke.sh`` checks, without vLLM and Ray: HF engine on CUDA +
+- ``smoke``: what ``experiments/bench/gpu_smoke.sh`` checks, without vLLM and Ray: HF engine on CUDA +
   bf16 ZeRO-3 Learner, on-policy log-prob gap before and after an update and an in-process weight
   sync.
 - ``deepspeed_ops``: DeepSpeed's FusedAdam CUDA op built with the machine's nvcc, one step
@@ -88,7 +88,7 @@ from experiments.bench._rollout_runs import (
     run_with_vllm,
     vllm_plain_generate,
 )
-from experiments.smoke import max_logprob_gap, smoke_batch
+from experiments.bench.smoke import max_logprob_gap, smoke_batch
 from raggym.algorithms.logprobs import chunked_token_logprobs, full_token_logprobs
 from raggym.algorithms.losses import clipped_policy_loss
 from raggym.data.synthetic import entities_for_passages, generate_world
@@ -112,7 +112,7 @@ QWEN25_3B = dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
                  intermediate_size=11008, vocab_size=151936)
 QWEN25_COMMON = dict(max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                      hidden_act="silu", use_cache=True)
-ROLLOUT_ENGINES = ("vllm-async", "hf")  # the first is the runtime's default engine (experiments/config.py)
+ROLLOUT_ENGINES = ("vllm-async", "hf")  # the first is the runtime's default engine (experiments/recipe/config.py)
 ROLLOUT_CONFIG = {"max_response_tokens": 96, "max_turn_tokens": 48, "max_observation_tokens": 96}
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512)

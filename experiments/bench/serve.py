@@ -37,7 +37,7 @@ import ray
 from ray import serve
 
 from actors.cluster import init_ray
-from experiments.serve import API_KEY_ENV, start
+from experiments.serve.app import API_KEY_ENV, start
 from raggym.data.synthetic import generate_world
 from raggym.retrieval import Retriever
 

@@ -3,7 +3,7 @@
 The learning proof (``experiments.studies.routing``) needs one policy to prefer ``[graph]`` on
 ``graph_only`` questions and ``[passage]`` on ``direct`` ones. Every RL update moves the mode
 logit z = log p(graph) − log p(passage) of both types at once. This tool measures how much, from
-the gradients of z at the held-out probes' mode slots (``experiments.studies.routing.mode_logit``):
+the gradients of z at the held-out probes' mode slots (``experiments.recipe.routing.mode_logit``):
 
 * ``g_rewarded``: the mean gradient of z over the ``graph_only`` probes (the type whose reward
   points at the graph), ``g_other``: over the ``direct`` probes;
@@ -48,9 +48,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from experiments.evaluate import resolve_policy
-from experiments.studies.routing import (EVAL_KWARGS, build_task, graph_preference, mode_logit, mode_logits,
-                                         mode_probes, mode_slot_tokens, routing_accuracy)
+from experiments.eval.harness import resolve_policy
+from experiments.recipe.routing import (EVAL_KWARGS, build_task, graph_preference, mode_logit, mode_logits,
+                                        mode_probes, mode_slot_tokens, routing_accuracy)
 from raggym.models import load_policy, load_policy_tokenizer
 from raggym.retrieval import Retriever
 

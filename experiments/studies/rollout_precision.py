@@ -35,7 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments.report import read_jsonl
+from experiments.eval.report import read_jsonl
 
 # the routing study's flags for raggym demo's defaults (experiments/demo.py: demo_settings)
 DEMO_FLAGS = ("--world-seed", "0", "--heldout", "48", "--sft-examples", "48", "--sft-epochs", "1", "--sft-lr", "2e-4",

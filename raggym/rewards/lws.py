@@ -41,7 +41,7 @@ formula as given.
 
 "Correct" is decided by a judge ``judge(question, answer, gold_answers) -> bool``
 (``raggym.judge``): the paper uses an LLM judge in training and testing, which
-``experiments.judge.make_judge`` builds from the ``reward.judge`` config section. Without one the
+``experiments.recipe.judge.make_judge`` builds from the ``reward.judge`` config section. Without one the
 documented fallback applies: ``EM = 1 or F1 ≥ 0.5`` (``correct_if="em_or_f1"``; ``"em"`` or
 ``"f1"`` select one metric).
 """

@@ -25,7 +25,7 @@ converted with ``OmegaConf.to_container``)::
 
 ``method`` picks the reward; the other keys are the fields of its section dataclass
 (``REWARD_SECTIONS``: the schedule's own keys and the reward's config). The training config checks
-its ``reward:`` section against that dataclass (``experiments.config``); here an unknown or
+its ``reward:`` section against that dataclass (``experiments.recipe.config``); here an unknown or
 missing required key raises ``ValueError`` naming the key.
 """
 

@@ -2,7 +2,7 @@
 
 Inputs are plain data the pipeline already wrote:
 
-* ``evaluations``: ``[(stage name, experiments.evaluate.evaluate result)]`` in pipeline order,
+* ``evaluations``: ``[(stage name, experiments.eval.harness.evaluate result)]`` in pipeline order,
   e.g. untrained -> after SFT -> after GRPO (``{"datasets": {name: {system: metrics}}, ...}``);
 * ``train_metrics``: the trainer's ``metrics.jsonl`` records (one dict per RL step);
 * ``trajectory_dir``: the trainer's ``trajectories/step-NNNNNN.jsonl`` dumps, from which the

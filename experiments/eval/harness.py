@@ -1,6 +1,6 @@
 """Evaluation harness: a policy × datasets × systems, through the Ray rollout path.
 
-    python -m experiments.evaluate --policy smollm2-135m --dataset ../shared/data/musique_sub \\
+    python -m experiments.eval --policy smollm2-135m --dataset ../shared/data/musique_sub \\
         --systems direct vanilla_rag agent --out runs/eval
     raggym eval ...   (same arguments)
 
@@ -33,7 +33,7 @@ answered share, format errors and truncations. Definitions: ``raggym.rewards.met
 
 ``correct`` is the share of answers judged correct: by the LLM judge when one is given
 (``--judge-model``, ``evaluate(judge=...)``; the same judge LWS training uses, see
-``experiments.judge``), else by the fallback rule EM = 1 or F1 ≥ 0.5. ``settings.judge`` says which.
+``experiments.recipe.judge``), else by the fallback rule EM = 1 or F1 ≥ 0.5. ``settings.judge`` says which.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 
 from actors.cluster import init_ray
 from envs import SEARCH_ENV_IDS
-from experiments.judge import make_judge
+from experiments.recipe.judge import make_judge
 from raggym.atomic import atomic_write_json, atomic_write_text
 from raggym.config_nodes import EPISODE_LIMITS, check_runtime_serves
 from raggym.data import DataFormatError, load_corpus, load_questions, write_jsonl
@@ -66,7 +66,7 @@ from raggym.retrieval.retriever import corpus_fingerprint
 from raggym.retrieval.storage import read_manifest
 
 # Ray, torch and the modules that import torch (raggym.rewards, envs.rollout, actors.runtime,
-# experiments.training, experiments.config) are imported in the functions that use them: `raggym` imports this module
+# experiments.recipe.training, experiments.recipe.config) are imported in the functions that use them: `raggym` imports this module
 # when it starts (the eval subcommand's arguments); torch would add about 1.5 s and Ray 0.3 s to
 # every command, --help too.
 
@@ -314,7 +314,7 @@ def markdown_table(results: dict) -> str:
 def resolve_policy(policy: str | os.PathLike) -> str:
     """A model spec or HF dir as given; a checkpoint dir -> its ``policy/``; a run dir -> the
     ``policy/`` of its latest complete checkpoint."""
-    from experiments.training import latest_checkpoint  # torch: on use (see the imports)
+    from experiments.recipe.training import latest_checkpoint  # torch: on use (see the imports)
 
     path = Path(policy)
     if path.is_dir():
@@ -513,7 +513,7 @@ def judged_correct(episodes: Sequence[dict], judge) -> list[bool | None]:
 
 def _eval_config(policy_path: str, dialect: str, *, engine: str, workers: int, temperature: float, seed: int,
                  max_response_tokens: int, max_turn_tokens: int, max_observation_tokens: int):
-    from experiments.config import config_from_dict  # torch: on use (see the imports)
+    from experiments.recipe.config import config_from_dict  # torch: on use (see the imports)
 
     engine_kwargs = {"kv_cache_gib": EVAL_KV_CACHE_GIB} if engine == "vllm-async" else {}
     return config_from_dict({
@@ -560,7 +560,7 @@ def evaluate(policy: str, datasets: list[dict], systems: list[str], out_dir: str
     import ray  # Ray and torch: on use (see the imports)
 
     from actors.runtime import RayRuntime
-    from experiments.training import sampling_params
+    from experiments.recipe.training import sampling_params
     from raggym.rewards.r1_router import TEXT_KB
 
     started = time.perf_counter()
@@ -786,7 +786,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.eval", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -799,6 +799,3 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = ["SYSTEMS", "ContextPrompt", "DirectPrompt", "aggregate", "average_over_datasets", "dataset_from_dir",
            "episode_metrics", "evaluate", "markdown_table", "plan_systems", "resolve_policy", "split_questions"]
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -25,8 +25,8 @@ import envs  # noqa: F401  (registers the env ids)
 from actors.engines.base import SamplingParams
 from actors.storage import RunStorage, check_storage_on_every_node, stage_on_every_node
 from envs.rollout import EpisodeRequest
-from experiments.config import MODE_CHOICE_COEFFICIENTS, ConfigError, mode_slot_of, to_plain
-from experiments.judge import make_judge
+from experiments.recipe.config import MODE_CHOICE_COEFFICIENTS, ConfigError, mode_slot_of, to_plain
+from experiments.recipe.judge import make_judge
 from raggym.atomic import atomic_write
 from raggym.data import load_corpus, load_questions
 from raggym.data.synthetic import generate_world
@@ -186,7 +186,7 @@ def make_embed(spec: str):
 
 def reward_schedule(cfg):
     """The ``reward:`` section as a schedule; the embedder spec becomes an embedding function and
-    LWS's ``judge`` section an LLM judge (``experiments.judge``), kept as ``schedule.judge`` so
+    LWS's ``judge`` section an LLM judge (``experiments.recipe.judge``), kept as ``schedule.judge`` so
     that in-training evaluation decides correctness the same way (None: EM / F1 ≥ 0.5)."""
     options = dict(to_plain(cfg.reward))
     embedder = options.pop("embedder", "minilm")

@@ -6,7 +6,7 @@ gymnasium registered for ``env.id``) and ``rollout.engine_kwargs`` (``rollout.en
 ``open_sections`` names a dataclass for each, taken from where the values go so that it cannot
 drift from it: the reward's section declared beside its schedule
 (``raggym.rewards.schedules.REWARD_SECTIONS``), or one made from the constructor's keyword
-parameters. ``experiments.config`` merges each section into its dataclass with OmegaConf, as it
+parameters. ``experiments.recipe.config`` merges each section into its dataclass with OmegaConf, as it
 merges the fixed sections, so the errors read the same. A section without a dataclass is not
 checked (a reward registered without one, a constructor whose ``**kwargs`` go anywhere).
 ``open_sections`` also checks the names of the open registries (reward methods, advantage

@@ -25,8 +25,8 @@ observation of ``max_observation_tokens`` per allowed retrieval. The rollout eng
 of their own (``rollout.worker_gpus``): bf16 weights and vLLM's KV cache inside
 ``gpu_memory_utilization`` of the GPU.
 
-    python -m experiments.memory_plan            # markdown tables for every GPU recipe
-    python -m experiments.memory_plan --json
+    python -m experiments.recipe.memory_plan            # markdown tables for every GPU recipe
+    python -m experiments.recipe.memory_plan --json
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def recipe_plan(recipe: Mapping[str, Any], name: str = "recipe") -> RecipePlan:
 def load_recipe(name: str) -> dict:
     import yaml
 
-    path = Path(__file__).resolve().parent / "configs" / f"{name}.yaml"
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
     with open(path) as f:
         return yaml.safe_load(f)
 

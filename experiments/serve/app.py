@@ -3,7 +3,7 @@
 Two ways to start it::
 
     raggym serve --checkpoint runs/cpu_tiny --index index/ [--port 8000] [--json]
-    serve run experiments.serve:app checkpoint=runs/cpu_tiny index=index/ max_batch_size=16
+    serve run experiments.serve.app:app checkpoint=runs/cpu_tiny index=index/ max_batch_size=16
 
 ``app(args)`` is a Ray Serve application builder: ``serve run`` passes its ``key=value``
 arguments as a dict of strings. Settings not given there are read from ``RAGGYM_SERVE_<KEY>``
@@ -337,7 +337,7 @@ def build_app(args: dict | None = None, env: dict | None = None, *, gpus_in_clus
 
 
 def app(args: dict):
-    """Application builder for ``serve run experiments.serve:app checkpoint=DIR index=DIR ...``."""
+    """Application builder for ``serve run experiments.serve.app:app checkpoint=DIR index=DIR ...``."""
     return build_app(args)
 
 
@@ -710,6 +710,3 @@ def main(argv=None) -> int:
         print(f"python -m experiments.serve: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,12 +3,12 @@
 # sync from the learner into the vLLM engine (NCCL broadcast when there are two GPUs, the Ray
 # object store otherwise), then the on-policy check: vLLM logprobs ≈ learner logprobs.
 #
-#   bash experiments/gpu_smoke.sh            # needs a CUDA GPU and `pip install -e '.[gpu]'`
+#   bash experiments/bench/gpu_smoke.sh            # needs a CUDA GPU and `pip install -e '.[gpu]'`
 #
 # Exits 0 and says "skipped" without a GPU, so it is safe to call from any CI. Writes a JSON report
 # to ${GPU_SMOKE_OUT:-gpu_smoke.json}. Not run in this repository's CPU-only development so far.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
@@ -36,7 +36,7 @@ import torch
 
 from actors.engines import RolloutWorker, SamplingParams
 from actors.learner import LearnerGroup
-from experiments.smoke import max_logprob_gap, smoke_batch
+from experiments.bench.smoke import max_logprob_gap, smoke_batch
 
 gpus = torch.cuda.device_count()
 report = {"gpus": gpus, "device": torch.cuda.get_device_name(0)}

@@ -1,7 +1,7 @@
 """Training configuration: dataclass sections, merged and type-checked by OmegaConf.
 
     cfg = load_config("experiments/configs/routerag_tiny.yaml", ["run.steps=4"])
-    python -m experiments.config --config experiments/configs/routerag_tiny.yaml run.steps=4  # merged YAML
+    python -m experiments.recipe.config --config experiments/configs/routerag_tiny.yaml run.steps=4  # merged YAML
 
 A config is the ``TrainConfig`` defaults, then a YAML file, then ``key=value`` overrides.
 
@@ -16,7 +16,7 @@ A config is the ``TrainConfig`` defaults, then a YAML file, then ``key=value`` o
 * **Open sections** are ``dict`` fields whose keys depend on another key's value, which a dataclass
   field cannot say: ``reward`` (the schedule of ``reward.method``), ``env.kwargs`` and
   ``eval.env_kwargs`` (the constructor registered for ``env.id``) and ``rollout.engine_kwargs``
-  (the class of ``rollout.engine``). ``experiments.config_schema`` picks the dataclass of each (the
+  (the class of ``rollout.engine``). ``experiments.recipe.config_schema`` picks the dataclass of each (the
   reward's section, or one made from the constructor's signature), and OmegaConf checks the section
   against it as it checks the typed sections, with the same errors (``_open_section_errors``). The
   config keeps what the user wrote there, converted to the dataclass's types, not its defaults.
@@ -48,7 +48,7 @@ from omegaconf.errors import ConfigKeyError, ConfigTypeError, OmegaConfBaseExcep
 
 import envs
 from actors.learner.config import LearnerConfig
-from experiments.config_schema import open_sections
+from experiments.recipe.config_schema import open_sections
 from raggym.algorithms.policy_loss import PolicyLossConfig
 from raggym.config_nodes import ConfigError, to_plain  # noqa: F401  (part of this module's API)
 from raggym.config_util import dataclass_from_mapping, describe_type, required_fields
@@ -452,7 +452,7 @@ def _as_written(checked, written):
 
 def _open_section_errors(c: dict) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """The registries' and open sections' problems, and each valid section's checked value by path:
-    OmegaConf merges each section into its dataclass (``experiments.config_schema``) as it merges a
+    OmegaConf merges each section into its dataclass (``experiments.recipe.config_schema``) as it merges a
     source into the defaults."""
     errors, sections = open_sections(c)
     checked = {}
@@ -543,7 +543,7 @@ def load_config(path: Optional[str], overrides: Optional[list[str]] = None) -> D
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.config", description="Print a merged, validated training config.")
+    parser = argparse.ArgumentParser(prog="python -m experiments.recipe.config", description="Print a merged, validated training config.")
     parser.add_argument("--config", help="a YAML file, e.g. experiments/configs/routerag_tiny.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (OmegaConf dotlist)")
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ Python API (used by the demo and the GraphRAG-R1 recipe)::
 
 Command line (builds the synthetic world, the index and the golden examples itself)::
 
-    python -m experiments.sft --policy smollm2-135m --dialect routerag --synthetic-seed 0 \\
+    python -m experiments.recipe.sft --policy smollm2-135m --dialect routerag --synthetic-seed 0 \\
         --entities 300 --out runs/sft [--epochs 2 --lr 1e-4 --eval-questions 40] [--json]
 
 Outputs under ``out_dir``: ``policy/`` (HF directory, safetensors weights and the tokenizer,
@@ -48,7 +48,7 @@ from typing import Mapping, Sequence
 from tqdm.auto import tqdm
 
 from envs import MultiKBRouteEnv, RagSearchEnv, step_batch
-from experiments.evaluate import evaluate_episodes
+from experiments.eval.harness import evaluate_episodes
 from raggym.atomic import atomic_directory, atomic_write_json
 from raggym.data.golden import with_golden_trajectories
 from raggym.data.synthetic import generate_world
@@ -623,7 +623,7 @@ def evaluate_policy(policy, questions, retriever, dialect: str, *, corpus=None, 
                     max_observation_tokens: int = 128, max_turn_tokens: int = 96, max_response_tokens: int = 384,
                     env_kwargs: dict | None = None, num_threads: int | None = None, batch: int = 16) -> dict:
     """Greedy multi-turn episodes on ``questions`` in this process, scored by the one evaluator
-    (``experiments.evaluate.evaluate_episodes``): exact match, the share of well-formed actions
+    (``experiments.eval.harness.evaluate_episodes``): exact match, the share of well-formed actions
     and of episodes ending in an answer, searches per question."""
     from actors.engines.base import SamplingParams  # torch: on use (see the imports)
     from actors.engines.hf import HFEngine
@@ -657,7 +657,7 @@ def evaluate_policy(policy, questions, retriever, dialect: str, *, corpus=None, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.sft", description=(
+    p = argparse.ArgumentParser(prog="python -m experiments.recipe.sft", description=(
         "SFT cold start on golden trajectories of the synthetic world: builds the world and its index, plays "
         "golden episodes through the real environment, fine-tunes the policy on the model tokens and writes "
         "OUT/policy (HF dir, safetensors), OUT/sft_metrics.jsonl and OUT/sft_summary.json."))
