@@ -10,8 +10,9 @@ meaning of each result field is in ``actors.engines.base``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
 FinishReason = Literal["stop", "length", "eos"]
 LogprobsMode = Literal["processed", "raw"]
@@ -25,6 +26,13 @@ class SamplingParams:
     seeded by ``derive_seed(seed, i)``, so a prompt's result does not depend on which other prompts
     share the batch (up to floating-point differences from padding). ``seed=None`` draws from
     torch's global generator.
+
+    ``mode_slot_temperature`` (with ``mode_slot``, a dialect's pattern): the token right after a
+    context that ends in a match of ``mode_slot`` (the search's retrieval-mode choice) is sampled at
+    this temperature instead of ``temperature``; every other token, and greedy decoding, is as
+    before. The reported (processed) log-probability of that token is the one it was drawn with, so
+    a learner that recomputes π_old sees the exploration as a rollout-policy mismatch
+    (``learner.loss.rollout_correction`` weighs it back). See ``ModeSlotDetector``.
     """
 
     temperature: float = 1.0
@@ -32,6 +40,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     logprobs_mode: LogprobsMode = "processed"
+    mode_slot: str = ""
+    mode_slot_temperature: float | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -40,10 +50,45 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+        if self.mode_slot_temperature is not None:
+            if not self.mode_slot_temperature > 0:
+                raise ValueError(f"mode_slot_temperature must be > 0 (or None: off), got {self.mode_slot_temperature}")
+            if not self.mode_slot:
+                raise ValueError("mode_slot_temperature needs mode_slot, the pattern after which the mode is chosen")
+            try:
+                re.compile(self.mode_slot)
+            except re.error as e:
+                raise ValueError(f"mode_slot {self.mode_slot!r} is not a regular expression: {e}") from None
+
+    @property
+    def slot_sampling(self) -> bool:
+        """True when some tokens are sampled at ``mode_slot_temperature`` (never under greedy)."""
+        return self.mode_slot_temperature is not None and not self.greedy
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# Tokens decoded from the context's end to look for the mode slot: RouteRAG's ``<search> [`` is
+# 3-5 tokens; a slot with more whitespace inside it than this window holds goes unseen.
+MODE_SLOT_WINDOW = 16
+
+
+class ModeSlotDetector:
+    """Whether a context ends exactly where a search names its retrieval mode: the decoded last
+    ``MODE_SLOT_WINDOW`` ids end in a match of the dialect's ``mode_slot``. The next token then holds
+    the first character after the match, the token ``raggym.trajectory.mode_choice_token_indices``
+    marks as the mode choice, so both engines sample exactly the marked tokens at the slot
+    temperature (a token that merges the slot's last character with the mode name is neither)."""
+
+    def __init__(self, mode_slot: str, decode: Callable[[Sequence[int]], str]):
+        self.at_end = re.compile(f"(?:{mode_slot})\\Z")
+        self.decode = decode
+
+    def at_slot(self, context_ids: Sequence[int]) -> bool:
+        tail = list(context_ids[-MODE_SLOT_WINDOW:])
+        return bool(tail) and self.at_end.search(self.decode(tail)) is not None
 
 
 @dataclass

@@ -34,7 +34,9 @@ from actors.engines.vllm_engine import CPU_BLOCK_SIZE, TRITON_FP32_SWITCH, VLLME
 from actors.learner import Learner, LearnerConfig, make_train_batch
 from actors.sync_verify import SyncVerifier, WeightSyncError, probe_token_ids
 from actors.weight_sync import FlatWeights
+from raggym.generation import ModeSlotDetector
 from raggym.models import converted_checkpoint, resolve_model_spec
+from raggym.protocol import get_dialect
 
 LOGPROB_MEAN_TOL = 1e-4
 LOGPROB_MAX_TOL = 5e-4
@@ -249,6 +251,31 @@ def test_a_seed_reproduces_each_prompt_alone_or_batched(engine, prompts):
     assert alone.token_ids == first[0].token_ids
     other = engine.generate(prompts, SamplingParams(temperature=1.0, seed=99), max_new_tokens=12)
     assert [r.token_ids for r in other] != [r.token_ids for r in first]
+
+
+def test_the_token_after_the_mode_slot_is_sampled_at_the_slot_temperature(engine, prompts, learner):
+    """``SamplingParams.mode_slot_temperature``: a context that ends at RouteRAG's ``<search> [`` draws
+    its next token from softmax(z / 3) and reports that log-prob; every later token keeps the rollout
+    temperature 1. The learner's log-probs at temperatures 3 and 1 are the references."""
+    slot = get_dialect("routerag").mode_slot
+    opened = learner.tokenizer.encode("I will look it up.\n<search> [", add_special_tokens=False)
+    at_slot = [p + opened for p in prompts]
+    assert all(ModeSlotDetector(slot, learner.tokenizer.decode).at_slot(p) for p in at_slot)
+    sampling = SamplingParams(temperature=1.0, seed=21, mode_slot=slot, mode_slot_temperature=3.0)
+    results = engine.generate(at_slot * 2, sampling, max_new_tokens=5)
+    for context, result in zip(at_slot * 2, results):
+        ids = torch.tensor([context + result.token_ids])
+        hot = learner._logprobs_with(learner.engine, ids, None, None, temperature=3.0)[0, len(context):]
+        cold = learner._logprobs_with(learner.engine, ids, None, None, temperature=1.0)[0, len(context):]
+        engine_lp = torch.tensor(result.logprobs)
+        assert abs(float(engine_lp[0] - hot[0])) <= LOGPROB_MAX_TOL, (engine_lp[0], hot[0], cold[0])
+        assert float((engine_lp[1:] - cold[1:]).abs().max()) <= LOGPROB_MAX_TOL
+    # the same seed without the option: the slot token is the rollout temperature's
+    plain = engine.generate(at_slot, dataclasses.replace(sampling, mode_slot_temperature=None), max_new_tokens=1)
+    for context, result in zip(at_slot, plain):
+        cold = learner._logprobs_with(learner.engine, torch.tensor([context + result.token_ids]), None, None,
+                                      temperature=1.0)[0, len(context):]
+        assert abs(result.logprobs[0] - float(cold[0])) <= LOGPROB_MAX_TOL
 
 
 def test_a_weight_update_changes_the_policy_and_stamps_its_version(engine, prompts, learner):

@@ -455,6 +455,16 @@ def test_sft_from_reuses_an_earlier_seeds_sft_only_with_the_same_settings(tmp_pa
     assert reused_sft(seed_dir, now, task)["steps"] == 24
     with pytest.raises(ValueError, match="sft_retry_share"):
         reused_sft(seed_dir, SeedSettings(sft_examples=48, sft_retry_share=0.5), task)
+    # a seed stopped after its SFT has no report; its progress.json says which settings trained it
+    (seed_dir / "seed_report.json").unlink()
+    progress = seed_dir / "progress.json"
+    progress.write_text(json.dumps({"settings": settings_key_of_args(earlier, args), "sft": None}))
+    with pytest.raises(ValueError, match=r"progress.json.*stopped before its SFT was done"):
+        reused_sft(seed_dir, now, task)
+    progress.write_text(json.dumps({"settings": settings_key_of_args(earlier, args), "sft": {"steps": 24}}))
+    assert reused_sft(seed_dir, now, task)["steps"] == 24
+    with pytest.raises(ValueError, match=r"progress.json trained SFT with other settings.*sft_lr"):
+        reused_sft(seed_dir, SeedSettings(sft_examples=48, sft_lr=1e-4), task)
 
 
 def test_retry_and_response_budget_flags():

@@ -38,6 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from actors.engines.base import GenerationResult, SamplingParams, check_prompts, derive_seed
+from raggym.generation import ModeSlotDetector
 from actors.weight_sync import WeightSyncGroup, named_tensors_of
 from envs.session_adapter import BatchingSessionEngine
 
@@ -53,16 +54,21 @@ def _eos_ids(model, tokenizer, extra: Sequence[int] | None) -> set[int]:
     return ids
 
 
-def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, sampling: SamplingParams, at_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probabilities of the distribution to sample from: ``[batch, vocab]`` float32.
 
     temperature scaling, then top-k, then top-p (nucleus; the most likely token is always kept),
     then ``log_softmax`` so the kept tokens are renormalised. Greedy returns ``log_softmax(logits)``.
+    ``at_slot`` (``[batch]`` bool): rows at the mode slot are scaled by ``sampling.mode_slot_temperature``
+    instead (vLLM's order too: its slot processor rescales after the temperature, before top-k/top-p).
     """
     logits = logits.float()
     if sampling.greedy:
         return torch.log_softmax(logits, dim=-1)
-    scaled = logits / sampling.temperature  # z / T
+    temperature = torch.full((logits.shape[0], 1), float(sampling.temperature), device=logits.device)
+    if at_slot is not None and sampling.slot_sampling:
+        temperature[at_slot.to(logits.device)] = float(sampling.mode_slot_temperature)
+    scaled = logits / temperature  # z / T, T the slot's at the mode slot
     if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -153,8 +159,11 @@ class HFEngine:
         hit_zero = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
         return torch.where(hit_zero, probs.argmax(-1), tokens)
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def _matched_stop(self, ids: list[int], stop_strings: Sequence[str], window: int) -> str | None:
-        text = self.tokenizer.decode(ids[-window:], skip_special_tokens=False)
+        text = self._decode(ids[-window:])
         for s in stop_strings:
             if s in text:
                 return s
@@ -204,9 +213,11 @@ class HFEngine:
         finish: list[str] = ["length"] * n
         matched: list[str | None] = [None] * n
         active = list(range(n))  # prompt index of each row still in the batch
+        slot = ModeSlotDetector(sampling.mode_slot, self._decode) if sampling.slot_sampling else None
 
         for _ in range(max_new_tokens):
-            logp = process_logits(logits, sampling)
+            at_slot = None if slot is None else torch.tensor([slot.at_slot(prompts[i] + ids[i]) for i in active])
+            logp = process_logits(logits, sampling, at_slot)
             if sampling.greedy:
                 tokens = torch.argmax(logp, dim=-1)
             else:

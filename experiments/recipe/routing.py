@@ -1332,10 +1332,17 @@ SFT_KEYS = ("sft_examples", "sft_epochs", "sft_lr", "sft_batch", "sft_modes", "s
 def reused_sft(earlier_seed_dir: Path, settings: SeedSettings, task_key: dict | None) -> dict:
     """``run_sft``'s summary of the SFT policy an earlier run trained for this seed, after checking
     that the earlier seed used the same SFT settings and task (``task_key``: world and held-out
-    split); a mismatch or a missing file is an error naming the file, never a silent retrain."""
+    split); a mismatch or a missing file is an error naming the file, never a silent retrain. The
+    earlier seed's settings are read from its report, or, for a seed stopped after its SFT, from
+    its ``progress.json`` (``SeedProgress``), whose SFT part must be done."""
     report_path, summary_path = earlier_seed_dir / "seed_report.json", earlier_seed_dir / "sft" / "sft_summary.json"
+    if not report_path.is_file() and (earlier_seed_dir / "progress.json").is_file():
+        report_path = earlier_seed_dir / "progress.json"
     try:
-        earlier = json.loads(report_path.read_text(encoding="utf-8"))["settings"]
+        earlier_record = json.loads(report_path.read_text(encoding="utf-8"))
+        if report_path.name == "progress.json" and not earlier_record.get("sft"):
+            raise ValueError("the seed stopped before its SFT was done")
+        earlier = earlier_record["settings"]
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--sft-from: cannot read the earlier seed's report and SFT summary "

@@ -1,0 +1,60 @@
+"""vLLM's side of ``SamplingParams.mode_slot_temperature``: a logits processor that samples the
+token after the mode slot at its own temperature.
+
+vLLM applies the request's temperature, then its argmax-invariant logits processors, then top-k and
+top-p, and (``logprobs_mode="processed_logprobs"``) reports the log-probability of the result. This
+processor is argmax-invariant (it rescales one row by a positive factor), so greedy decoding never
+sees it, and on a row whose context ends at the slot it multiplies the ``z / T`` vLLM computed by
+``T / T_slot``: the token is drawn from, and reported under, ``softmax(z / T_slot)`` after top-k
+and top-p, which is ``actors.engines.hf.process_logits``'s order too.
+
+vLLM builds one instance per engine from ``engine_arguments``' ``logits_processors`` (this module is
+imported in the engine-core process only); a request opts in through ``SamplingParams.extra_args``
+(``actors.engines.vllm_engine.sampling_kwargs`` adds them). The context read is the request's prompt (the session's whole context) and
+the ids sampled so far, so a slot the previous turn left open is found at the new turn's first token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import AutoTokenizer
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+from actors.engines.vllm_engine import SLOT_PATTERN_ARG, SLOT_TEMPERATURE_ARG
+from raggym.generation import MODE_SLOT_WINDOW, ModeSlotDetector
+
+
+class ModeSlotTemperature(AdapterLogitsProcessor):
+    """Per request with ``slot_extra_args``: rescale the row to ``T_slot`` when the context ends at the slot."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        super().__init__(vllm_config, device, is_pin_memory)
+        tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
+        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        self._detectors: dict[str, ModeSlotDetector] = {}  # one per pattern, compiled once
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    @classmethod
+    def validate_params(cls, params: VLLMSamplingParams):
+        args = params.extra_args or {}
+        if SLOT_TEMPERATURE_ARG in args and not float(args[SLOT_TEMPERATURE_ARG]) > 0:
+            raise ValueError(f"{SLOT_TEMPERATURE_ARG} must be > 0, got {args[SLOT_TEMPERATURE_ARG]!r}")
+
+    def new_req_logits_processor(self, params: VLLMSamplingParams):
+        args = params.extra_args or {}
+        if SLOT_TEMPERATURE_ARG not in args or params.temperature <= 0:
+            return None
+        pattern = str(args[SLOT_PATTERN_ARG])
+        detector = self._detectors.setdefault(pattern, ModeSlotDetector(pattern, self._decode))
+        factor = float(params.temperature) / float(args[SLOT_TEMPERATURE_ARG])  # (z / T) · T / T_slot = z / T_slot
+
+        def rescale(prompt_ids: Sequence[int], output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+            tail = list(prompt_ids[-MODE_SLOT_WINDOW:]) + list(output_ids[-MODE_SLOT_WINDOW:])  # a live reference
+            return logits * factor if detector.at_slot(tail[-MODE_SLOT_WINDOW:]) else logits
+
+        return rescale
