@@ -35,24 +35,17 @@ class ServiceRetriever:
         return ray.get(self.service.retrieve.remote(list(queries), mode, k))
 
 
-def _has_method(actor, name: str) -> bool:
-    try:
-        getattr(actor, name)
-    except AttributeError:
-        return False
-    return True
-
-
 class RayBackend:
     """Generation on rollout workers, retrieval on the services; both asynchronous.
 
     Each session (an episode, or one model call in ``replace`` mode) sticks to one worker, so a session
     engine reuses its KV cache across the episode's turns; a new session goes to the worker with the
-    fewest open sessions (this runner's, plus the others' that ``load()`` reported when the rollout
-    started). The worker keeps each session's context, so a turn sends only the ids after the part
+    fewest of this runner's open sessions, ties rotating. No worker is asked for its load: each
+    runner spreads its own sessions evenly, so several runners together leave the workers at most
+    one session per runner apart, without a Ray call per rollout to learn it. The worker keeps each session's context, so a turn sends only the ids after the part
     it holds (``continue_session``); a worker that lost it (restarted) refuses, and the turn is sent
-    whole. A worker without ``continue_session`` is served through a ``BatchingSessionEngine``
-    over its ``generate``.
+    whole. The workers are ``RolloutWorker`` actors (``actors.engines.rollout_worker``), whatever
+    engine each runs: the worker gives every engine the session API.
     """
 
     def __init__(self, rollout_workers: Sequence[Any]):
@@ -60,24 +53,9 @@ class RayBackend:
             raise ValueError("RayBackend needs at least one rollout worker")
         self.workers = list(rollout_workers)
         self._next_worker = itertools.cycle(range(len(self.workers)))
-        self._session_api = [_has_method(w, "continue_session") for w in self.workers]
-        self._adapters: dict[int, Any] = {}
         self._session_worker: dict[str, int] = {}
         self.open_sessions = [0] * len(self.workers)  # this backend's sessions on each worker
-        self._others = [0] * len(self.workers)  # other runners' sessions when the rollout started
         self.contexts = SentContexts()  # per session, the ids its worker holds
-
-    async def prepare(self) -> None:
-        """Learn how many sessions other runners hold on each worker (once per rollout)."""
-        import ray
-
-        asking = [i for i, api in enumerate(self._session_api) if api]
-        try:
-            loads = await asyncio.gather(*[self.workers[i].load.remote() for i in asking])
-        except ray.exceptions.RayError:  # a worker restarting: route on this runner's counts alone
-            return
-        for i, load in zip(asking, loads):
-            self._others[i] = max(0, int(load.get("sessions", 0)) - self.open_sessions[i])
 
     def worker_of(self, session_id: str) -> int:
         """The worker a session runs on; a new session goes to the least-loaded one."""
@@ -85,33 +63,22 @@ class RayBackend:
         if index is None:
             start = next(self._next_worker)  # ties rotate, so runners do not all pile onto worker 0
             order = [(start + j) % len(self.workers) for j in range(len(self.workers))]
-            index = min(order, key=lambda i: self.open_sessions[i] + self._others[i])
+            index = min(order, key=lambda i: self.open_sessions[i])
             self._session_worker[session_id] = index
             self.open_sessions[index] += 1
         return index
 
     async def generate(self, session_id: str, context_token_ids, sampling, stop_strings, max_new_tokens: int):
-        index = self.worker_of(session_id)
-        worker = self.workers[index]
-        if self._session_api[index]:
-            keep, new_ids = self.contexts.delta(session_id, context_token_ids)
-            args = (sampling, list(stop_strings), int(max_new_tokens))
-            try:
-                result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
-            except SessionContextLostError:  # the worker was restarted: it holds nothing of the session
-                keep, new_ids = 0, list(context_token_ids)
-                result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
-            self.contexts.sent(session_id, context_token_ids, new_ids, result.token_ids)
-            return result
-        if index not in self._adapters:
-            from envs.session_adapter import BatchingSessionEngine
-
-            async def generate_batch(prompts, sampling, stop_strings, max_new_tokens, worker=worker):
-                return await worker.generate.remote(prompts, sampling, list(stop_strings), int(max_new_tokens))
-
-            self._adapters[index] = BatchingSessionEngine(generate_batch=generate_batch)
-        return await self._adapters[index].generate_async(session_id, context_token_ids, sampling, stop_strings,
-                                                          max_new_tokens)
+        worker = self.workers[self.worker_of(session_id)]
+        keep, new_ids = self.contexts.delta(session_id, context_token_ids)
+        args = (sampling, list(stop_strings), int(max_new_tokens))
+        try:
+            result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
+        except SessionContextLostError:  # the worker was restarted: it holds nothing of the session
+            keep, new_ids = 0, list(context_token_ids)
+            result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
+        self.contexts.sent(session_id, context_token_ids, new_ids, result.token_ids)
+        return result
 
     def end_session(self, session_id: str) -> None:
         index = self._session_worker.pop(session_id, None)
@@ -119,10 +86,7 @@ class RayBackend:
             return
         self.open_sessions[index] -= 1
         self.contexts.forget(session_id)
-        if self._session_api[index]:
-            self.workers[index].end_session.remote(session_id)  # frees the worker's cache; nothing to wait for
-        else:
-            self._adapters[index].end_session(session_id)
+        self.workers[index].end_session.remote(session_id)  # frees the worker's cache; nothing to wait for
 
     async def retrieve(self, requests: Sequence[RetrievalRequest]) -> list:
         """One ``retrieve_groups`` call per service for the batch, its groups by (mode, k).

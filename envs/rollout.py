@@ -270,8 +270,7 @@ class RolloutBackend(Protocol):
 
     ``generate`` is one turn of a session (``raggym.generation.SessionEngine.generate_async``);
     ``retrieve`` answers a batch of requests, one result per request, in order. Optional:
-    ``serial_retrieval`` (one retrieval batch in flight at a time) and ``async prepare()``
-    (awaited once before the episodes start).
+    ``serial_retrieval`` (one retrieval batch in flight at a time).
     """
 
     async def generate(self, session_id: str, context_token_ids: Sequence[int], sampling: SamplingParams | None,
@@ -353,9 +352,6 @@ class MultiTurnRollout:
         batcher = RetrievalBatcher(self.backend.retrieve, lambda: live[0], self.config.retrieval_batch_window_s,
                                    serial=bool(getattr(self.backend, "serial_retrieval", False)))
         run_id = uuid.uuid4().hex[:12]  # session ids must not collide with another runner's on a shared engine
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:
-            await prepare()
 
         async def episode(index: int, slot: _Slot) -> None:
             try:
