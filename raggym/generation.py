@@ -10,9 +10,12 @@ meaning of each result field is in ``actors.engines.base``.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
+
+import torch
 
 FinishReason = Literal["stop", "length", "eos"]
 LogprobsMode = Literal["processed", "raw"]
@@ -29,8 +32,10 @@ class SamplingParams:
 
     ``mode_slot_temperature`` (with ``mode_slot``, a dialect's pattern): the token right after a
     context that ends in a match of ``mode_slot`` (the search's retrieval-mode choice) is sampled at
-    this temperature instead of ``temperature``; every other token, and greedy decoding, is as
-    before. The reported (processed) log-probability of that token is the one it was drawn with, so
+    this temperature instead of ``temperature``, among the tokens whose probability at
+    ``temperature`` is at least ``mode_slot_min_p`` times the most likely one's (a hotter draw over
+    the whole vocabulary would mostly pick junk: at T 0.7 → 2 the 49k tokens of the tail outweigh
+    the mode names); every other token, and greedy decoding, is as before. The reported (processed) log-probability of that token is the one it was drawn with, so
     a learner that recomputes π_old sees the exploration as a rollout-policy mismatch
     (``learner.loss.rollout_correction`` weighs it back). See ``ModeSlotDetector``.
     """
@@ -42,6 +47,7 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = "processed"
     mode_slot: str = ""
     mode_slot_temperature: float | None = None
+    mode_slot_min_p: float = 0.001
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -55,6 +61,8 @@ class SamplingParams:
                 raise ValueError(f"mode_slot_temperature must be > 0 (or None: off), got {self.mode_slot_temperature}")
             if not self.mode_slot:
                 raise ValueError("mode_slot_temperature needs mode_slot, the pattern after which the mode is chosen")
+            if not 0.0 <= self.mode_slot_min_p < 1.0:
+                raise ValueError(f"mode_slot_min_p must be in [0, 1), got {self.mode_slot_min_p}")
             try:
                 re.compile(self.mode_slot)
             except re.error as e:
@@ -73,6 +81,15 @@ class SamplingParams:
 # Tokens decoded from the context's end to look for the mode slot: RouteRAG's ``<search> [`` is
 # 3-5 tokens; a slot with more whitespace inside it than this window holds goes unseen.
 MODE_SLOT_WINDOW = 16
+
+
+def slot_logits(scaled: torch.Tensor, temperature: float, slot_temperature: float, min_p: float) -> torch.Tensor:
+    """The mode slot's logits from ``scaled`` = z / T (one row or a batch of rows, last dim the
+    vocabulary): tokens below ``min_p`` times the most likely one's probability at T are dropped
+    (-inf), the rest rescaled to z / T_slot. Both engines call it, so they draw from one μ."""
+    floor = scaled.max(dim=-1, keepdim=True).values + math.log(min_p) if min_p > 0 else None
+    rescaled = scaled * (float(temperature) / float(slot_temperature))
+    return rescaled if floor is None else rescaled.masked_fill(scaled < floor, float("-inf"))
 
 
 class ModeSlotDetector:

@@ -34,7 +34,7 @@ from actors.engines.vllm_engine import CPU_BLOCK_SIZE, TRITON_FP32_SWITCH, VLLME
 from actors.learner import Learner, LearnerConfig, make_train_batch
 from actors.sync_verify import SyncVerifier, WeightSyncError, probe_token_ids
 from actors.weight_sync import FlatWeights
-from raggym.generation import ModeSlotDetector
+from raggym.generation import ModeSlotDetector, slot_logits
 from raggym.models import converted_checkpoint, resolve_model_spec
 from raggym.protocol import get_dialect
 
@@ -255,8 +255,9 @@ def test_a_seed_reproduces_each_prompt_alone_or_batched(engine, prompts):
 
 def test_the_token_after_the_mode_slot_is_sampled_at_the_slot_temperature(engine, prompts, learner):
     """``SamplingParams.mode_slot_temperature``: a context that ends at RouteRAG's ``<search> [`` draws
-    its next token from softmax(z / 3) and reports that log-prob; every later token keeps the rollout
-    temperature 1. The learner's log-probs at temperatures 3 and 1 are the references."""
+    its next token from softmax(z / 3) over the tokens min-p keeps at temperature 1 and reports that
+    log-prob; every later token keeps the rollout temperature 1. The references: the learner's own
+    logits through ``slot_logits`` at the slot, its log-probs at temperature 1 after it."""
     slot = get_dialect("routerag").mode_slot
     opened = learner.tokenizer.encode("I will look it up.\n<search> [", add_special_tokens=False)
     at_slot = [p + opened for p in prompts]
@@ -265,10 +266,15 @@ def test_the_token_after_the_mode_slot_is_sampled_at_the_slot_temperature(engine
     results = engine.generate(at_slot * 2, sampling, max_new_tokens=5)
     for context, result in zip(at_slot * 2, results):
         ids = torch.tensor([context + result.token_ids])
-        hot = learner._logprobs_with(learner.engine, ids, None, None, temperature=3.0)[0, len(context):]
+        with torch.no_grad():
+            z = learner.engine(input_ids=ids).logits[0, len(context) - 1].float()
+        slot = slot_logits(z, 1.0, 3.0, sampling.mode_slot_min_p)
+        assert 0 < int(torch.isfinite(slot).sum()) < z.numel()  # min-p kept some tokens, not the vocabulary
+        hot = torch.log_softmax(slot, dim=-1)[result.token_ids[0]]
         cold = learner._logprobs_with(learner.engine, ids, None, None, temperature=1.0)[0, len(context):]
+        assert abs(float(hot - cold[0])) > 0.01  # the two distributions differ at this token: the check can fail
         engine_lp = torch.tensor(result.logprobs)
-        assert abs(float(engine_lp[0] - hot[0])) <= LOGPROB_MAX_TOL, (engine_lp[0], hot[0], cold[0])
+        assert abs(float(engine_lp[0] - hot)) <= LOGPROB_MAX_TOL, (engine_lp[0], hot, cold[0])
         assert float((engine_lp[1:] - cold[1:]).abs().max()) <= LOGPROB_MAX_TOL
     # the same seed without the option: the slot token is the rollout temperature's
     plain = engine.generate(at_slot, dataclasses.replace(sampling, mode_slot_temperature=None), max_new_tokens=1)

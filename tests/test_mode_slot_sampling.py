@@ -8,6 +8,8 @@ offline LLM and vLLM's AsyncLLM alike.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from actors.engines.hf import process_logits
 from experiments.recipe.config import ConfigError, load_config
 from experiments.recipe.training import sampling_params
-from raggym.generation import MODE_SLOT_WINDOW, ModeSlotDetector, SamplingParams
+from raggym.generation import MODE_SLOT_WINDOW, ModeSlotDetector, SamplingParams, slot_logits
 from raggym.models import load_policy_tokenizer
 from raggym.protocol import get_dialect
 
@@ -70,19 +72,33 @@ def test_slot_sampling_options_are_checked():
         SamplingParams(mode_slot_temperature=2.0)
     with pytest.raises(ValueError, match=r"must be > 0"):
         SamplingParams(mode_slot=ROUTERAG_SLOT, mode_slot_temperature=0.0)
+    with pytest.raises(ValueError, match=r"mode_slot_min_p must be in \[0, 1\)"):
+        SamplingParams(mode_slot=ROUTERAG_SLOT, mode_slot_temperature=2.0, mode_slot_min_p=1.0)
     with pytest.raises(ValueError, match="not a regular expression"):
         SamplingParams(mode_slot="<search> [", mode_slot_temperature=2.0)
     assert SamplingParams(temperature=0.7, mode_slot=ROUTERAG_SLOT, mode_slot_temperature=2.0).slot_sampling
     assert not SamplingParams(temperature=0.0, mode_slot=ROUTERAG_SLOT, mode_slot_temperature=2.0).slot_sampling
 
 
+def test_slot_logits_drop_the_unlikely_tail_then_take_the_slot_temperature():
+    z = torch.tensor([2.0, 0.0, -1.0, -6.0])
+    # at T = 0.5 the shares against the top are e^0, e^-4, e^-6, e^-16: min-p 0.01 keeps the first two
+    got = slot_logits(z / 0.5, 0.5, 4.0, 0.01)
+    assert torch.equal(torch.isfinite(got), torch.tensor([True, True, False, False]))
+    assert torch.allclose(got[:2], torch.tensor([0.5, 0.0]))  # z / 4
+    assert torch.allclose(slot_logits(z / 0.5, 0.5, 4.0, 0.0), z / 4.0)  # min-p 0: every token, z / 4
+
+
 def test_process_logits_rescales_only_the_rows_at_the_slot():
     logits = torch.tensor([[2.0, 0.0, -1.0], [2.0, 0.0, -1.0]])
-    sampling = SamplingParams(temperature=0.5, mode_slot=ROUTERAG_SLOT, mode_slot_temperature=4.0)
+    sampling = SamplingParams(temperature=0.5, mode_slot=ROUTERAG_SLOT, mode_slot_temperature=4.0, mode_slot_min_p=0.0)
     got = process_logits(logits, sampling, torch.tensor([True, False]))
     # by hand: row 0 is softmax(z / 4), row 1 softmax(z / 0.5)
     assert torch.allclose(got[0], torch.log_softmax(logits[0] / 4.0, dim=-1))
     assert torch.allclose(got[1], torch.log_softmax(logits[1] / 0.5, dim=-1))
+    # min-p 0.01: at T 0.5 token 2 has e^-6 ≈ 0.0025 of the top's share and goes, token 1 (e^-4 ≈ 0.018) stays
+    kept = process_logits(logits, dataclasses.replace(sampling, mode_slot_min_p=0.01), torch.tensor([True, False]))
+    assert torch.allclose(kept[0], torch.tensor([0.5, 0.0, float("-inf")]).log_softmax(-1))
     plain = process_logits(logits, SamplingParams(temperature=0.5), torch.tensor([True, False]))
     assert torch.allclose(plain, torch.log_softmax(logits / 0.5, dim=-1))  # no slot temperature asked: no change
 
@@ -92,6 +108,9 @@ def test_training_rollouts_ask_for_the_slot_temperature_and_evaluations_do_not()
                                        "rollout.temperature=0.7"])
     train = sampling_params(cfg, 3)
     assert (train.temperature, train.mode_slot, train.mode_slot_temperature) == (0.7, ROUTERAG_SLOT, 2.0)
+    assert train.mode_slot_min_p == 0.001
+    assert sampling_params(load_config(ROUTING_CONFIG, ["rollout.mode_slot_temperature=2.0", "rollout.mode_slot_min_p=0.05",
+                                                        "learner.old_logprobs=recompute"]), 3).mode_slot_min_p == 0.05
     evaluation = sampling_params(cfg, 3, temperature=0.7)
     assert evaluation.mode_slot_temperature is None and not evaluation.slot_sampling
     assert sampling_params(load_config(ROUTING_CONFIG, []), 3).mode_slot_temperature is None  # off by default

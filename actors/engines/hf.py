@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from actors.engines.base import GenerationResult, SamplingParams, check_prompts, derive_seed
-from raggym.generation import ModeSlotDetector
+from raggym.generation import ModeSlotDetector, slot_logits
 from actors.weight_sync import WeightSyncGroup, named_tensors_of
 from envs.session_adapter import BatchingSessionEngine
 
@@ -59,16 +59,17 @@ def process_logits(logits: torch.Tensor, sampling: SamplingParams, at_slot: torc
 
     temperature scaling, then top-k, then top-p (nucleus; the most likely token is always kept),
     then ``log_softmax`` so the kept tokens are renormalised. Greedy returns ``log_softmax(logits)``.
-    ``at_slot`` (``[batch]`` bool): rows at the mode slot are scaled by ``sampling.mode_slot_temperature``
-    instead (vLLM's order too: its slot processor rescales after the temperature, before top-k/top-p).
+    ``at_slot`` (``[batch]`` bool): rows at the mode slot become ``raggym.generation.slot_logits``
+    (vLLM's order too: its slot processor acts after the temperature, before top-k/top-p).
     """
     logits = logits.float()
     if sampling.greedy:
         return torch.log_softmax(logits, dim=-1)
-    temperature = torch.full((logits.shape[0], 1), float(sampling.temperature), device=logits.device)
-    if at_slot is not None and sampling.slot_sampling:
-        temperature[at_slot.to(logits.device)] = float(sampling.mode_slot_temperature)
-    scaled = logits / temperature  # z / T, T the slot's at the mode slot
+    scaled = logits / sampling.temperature  # z / T
+    if at_slot is not None and sampling.slot_sampling and bool(at_slot.any()):
+        rows = at_slot.to(logits.device)
+        scaled[rows] = slot_logits(scaled[rows], sampling.temperature, sampling.mode_slot_temperature,
+                                   sampling.mode_slot_min_p)  # z / T_slot over the tokens min-p keeps
     if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

