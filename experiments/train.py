@@ -137,6 +137,7 @@ class Hyperparameters:
     max_rounds: int
     teacher_kl: bool  # the rollouts record the teacher's prompt
     mode_slot: bool  # a mode-choice loss term is on: the rollouts record the mode choices
+    route_centred_slot: bool  # learner.loss.mode_pg_centring: route (the batch carries the centred slot credit)
     eval_every: int
     eval_kwargs: dict
     checkpoint_every: int
@@ -153,6 +154,7 @@ class Hyperparameters:
                    prompts_per_step=int(cfg.rollout.prompts_per_step), estimate_advantages=estimator,
                    estimator_kwargs=adv, dynamic_sampling=dynamic_sampling, max_rounds=max_rounds,
                    teacher_kl=teacher_evidence_tokens(cfg) is not None, mode_slot=mode_choice_slot(cfg),
+                   route_centred_slot=((cfg.learner or {}).get("loss") or {}).get("mode_pg_centring") == "route",
                    eval_every=int(cfg.eval.every),
                    eval_kwargs={**to_plain(cfg.env.kwargs), **to_plain(cfg.eval.env_kwargs)},
                    checkpoint_every=int(cfg.run.checkpoint_every))
@@ -273,7 +275,7 @@ def update_and_sync(run: Run, rt, kept: list, advantages: torch.Tensor, step: in
     pad = int(rt.tokenizer.pad_token_id)
     extra = teacher_fields(kept, pad) if run.hp.teacher_kl else {}
     if run.hp.mode_slot:
-        extra.update(mode_choice_fields(kept))
+        extra.update(mode_choice_fields(kept, advantages if run.hp.route_centred_slot else None))
     batch, fillers = assemble_batch(kept, advantages, pad, run.mini_batch, extra)
     learned = rt.learners.update(batch, step)
     t0 = time.perf_counter()

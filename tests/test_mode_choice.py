@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,6 +82,20 @@ def test_filler_rows_carry_no_mode_choice(tokenizer):
     assert fillers == 1 and batch.mode_choice_mask[3].sum() == 0 and batch.loss_mask[3].sum() == 0
     # a marked token is always one the loss trains on
     assert bool(((batch.mode_choice_mask > 0) <= (batch.loss_mask > 0)).all())
+
+
+def test_route_centred_credit_reaches_the_batch_and_not_its_filler_rows(tokenizer):
+    rollouts = [episode(tokenizer, ["<search> [graph] q</search>", "<answer> a </answer>"]),
+                episode(tokenizer, ["<search> [graph] r</search>", "<answer> a </answer>"]),
+                episode(tokenizer, ["<search> [passage] q</search>", "<answer> a </answer>"])]
+    fields = mode_choice_fields(rollouts, torch.tensor([1.0, -0.5, 2.0]))
+    at_choice = (fields["mode_choice_advantages"] * fields["mode_choice_mask"]).sum(-1)
+    # graph twice: 1 − 0.25, −0.5 − 0.25; passage once: 0
+    assert at_choice.tolist() == pytest.approx([0.75, -0.75, 0.0])
+    batch, fillers = assemble_batch(rollouts, [1.0, -0.5, 2.0], pad_token_id=0, multiple=4, extra=fields)
+    assert fillers == 1 and batch.mode_choice_advantages[3].abs().sum() == 0
+    assert torch.equal(batch.mode_choice_advantages[:3], fields["mode_choice_advantages"])
+    assert "mode_choice_advantages" not in mode_choice_fields(rollouts)  # off unless asked
 
 
 def test_the_recorded_positions_count_the_prompt_turns_and_observations_before_them(tokenizer):

@@ -1,5 +1,6 @@
 """The mode-slot temperature (issue #64's exploration lever): which contexts end at the slot, how
-the option is checked, and that training rollouts (never evaluations) ask for it.
+the option is checked, and that training rollouts (never evaluations) ask for it; and that the
+route-centred slot credit (the next lever) reaches the recipe.
 
 The engines' side, that the slot token is drawn from and reported under softmax(z / T_slot) while
 every other token keeps the rollout temperature, is in tests/test_engine_contract.py for HF, vLLM's
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from actors.engines.hf import process_logits
 from experiments.recipe.config import ConfigError, load_config
 from experiments.recipe.training import sampling_params
+from experiments.train import Hyperparameters
 from raggym.generation import MODE_SLOT_WINDOW, ModeSlotDetector, SamplingParams, slot_logits
 from raggym.models import load_policy_tokenizer
 from raggym.protocol import get_dialect
@@ -124,3 +126,12 @@ def test_the_slot_temperature_is_refused_where_it_cannot_be_right():
     with pytest.raises(ConfigError, match=r"rollout.mode_slot_temperature: .*name no retrieval mode"):
         load_config(ROUTING_CONFIG, ["env.id=raggym/SearchR1-v0", "rollout.mode_slot_temperature=2.0",
                                      "learner.old_logprobs=recompute"])
+
+
+def test_route_centring_of_the_slot_credit_reaches_the_recipe():
+    """learner.loss.mode_pg_centring: route makes the recipe hand the learner the centred slot credit
+    (experiments/train.py update_and_sync builds mode_choice_fields with the advantages)."""
+    on = Hyperparameters.from_config(load_config(ROUTING_CONFIG, ["learner.loss.mode_pg_coef=1.0",
+                                                                  "learner.loss.mode_pg_centring=route"]))
+    off = Hyperparameters.from_config(load_config(ROUTING_CONFIG, ["learner.loss.mode_pg_coef=1.0"]))
+    assert on.mode_slot and on.route_centred_slot and not off.route_centred_slot

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from actors.learner import Learner, LearnerConfig, make_train_batch
 from experiments.recipe.config import ConfigError, load_config
-from raggym.algorithms.batch import TrainBatch
+from raggym.algorithms.batch import TrainBatch, route_centred_mode_advantages
 from raggym.algorithms.losses import aggregate_loss
 from raggym.algorithms.policy_loss import (
     POLICY_LOSS_TERMS,
@@ -179,6 +179,45 @@ def test_mode_pg_reads_only_the_trained_mode_choices(seed, aggregation):
              "advantages": fields["advantages"] + other * 5.0}
     again = _term("mode_pg", _inputs(**noisy, batch=_batch(mask, mode_choice_mask=choice)), **config).loss.item()
     assert again == pytest.approx(value, rel=1e-9)
+
+
+def test_route_centred_slot_credit_by_hand():
+    """learner.loss.mode_pg_centring: route. Four choices: rows 0 and 1 chose token 7 (Â +2, −1),
+    rows 2 and 3 token 9 (Â +1, +3); each route's mean comes off: 7 → +1.5, −1.5; 9 → −1, +1."""
+    ids = torch.tensor([[1, 7, 5], [1, 7, 5], [1, 9, 5], [1, 9, 5]])
+    choice = torch.tensor([[0.0, 1, 0], [0, 1, 0], [0, 1, 0], [0, 1, 0]])
+    centred = route_centred_mode_advantages(torch.tensor([2.0, -1.0, 1.0, 3.0]), ids, choice)
+    assert centred.tolist() == [[0.0, 1.5, 0.0], [0.0, -1.5, 0.0], [0.0, -1.0, 0.0], [0.0, 1.0, 0.0]]
+    # a route chosen once gets 0; per-token advantages are read at the choice
+    single = route_centred_mode_advantages(torch.tensor([[0.0, 4.0, 0.0], [0.0, 2.0, 9.0]]), ids[1:3], choice[:2])
+    assert single.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    # the mode-PG term trains on the centred credit, the main term keeps the episodes' advantages
+    mask = torch.tensor([[0.0, 1, 1]] * 4)
+    fields = dict(log_probs=torch.zeros(4, 3, dtype=torch.float64), old_log_probs=torch.zeros(4, 3, dtype=torch.float64),
+                  advantages=torch.tensor([2.0, -1.0, 1.0, 3.0], dtype=torch.float64), mask=mask)
+    batch = _batch(mask, mode_choice_mask=choice, mode_choice_advantages=centred)
+    plain = _term("mode_pg", _inputs(**fields, batch=batch), mode_pg_coef=1.0)
+    route = _term("mode_pg", _inputs(**fields, batch=batch), mode_pg_coef=1.0, mode_pg_centring="route")
+    # ρ = 1 everywhere: L_mode = −mean(Â at the choices): plain −(2 − 1 + 1 + 3) / 4; centred −0 (they sum to 0)
+    assert plain.loss.item() == pytest.approx(-1.25) and route.loss.item() == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="needs the batch's mode_choice_advantages"):
+        _term("mode_pg", _inputs(**fields, batch=_batch(mask, mode_choice_mask=choice)), mode_pg_coef=1.0,
+              mode_pg_centring="route")
+    with pytest.raises(ValueError, match=r"needs learner.loss.mode_pg_coef > 0"):
+        PolicyLossConfig(mode_pg_centring="route")
+    with pytest.raises(ValueError, match="must be 'none' or 'route'"):
+        PolicyLossConfig(mode_pg_coef=1.0, mode_pg_centring="type")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([7, 9, 11]), st.floats(-3, 3)), min_size=1, max_size=12))
+def test_route_centred_credit_sums_to_zero_for_every_route(choices):
+    ids = torch.tensor([[0, token] for token, _ in choices])
+    mask = torch.tensor([[0.0, 1.0]] * len(choices))
+    centred = route_centred_mode_advantages(torch.tensor([a for _, a in choices]), ids, mask)
+    for token in {t for t, _ in choices}:
+        assert abs(float(centred[:, 1][ids[:, 1] == token].sum())) < 1e-4
+    assert torch.all(centred[:, 0] == 0)
 
 
 def _teacher_batch() -> TrainBatch:

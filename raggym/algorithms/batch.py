@@ -18,10 +18,10 @@ from raggym.algorithms.spans import teacher_kl_mask_from_labels
 
 REQUIRED_FIELDS = ("token_ids", "attention_mask", "loss_mask", "advantages")
 PER_TOKEN_FIELDS = ("attention_mask", "loss_mask", "sampled_logprobs", "old_logprobs", "ref_logprobs", "mode_choice_mask",
-                    "rollout_is_weights",
+                    "mode_choice_advantages", "rollout_is_weights",
                     "teacher_positions", "teacher_kl_mask", "teacher_topk_values", "teacher_topk_indices")  # [N, T, ...]
 # What a loss term or a count reads of a row: zero in a filler row, so that it adds nothing.
-FILLER_ZEROED = ("loss_mask", "advantages", "teacher_kl_mask", "mode_choice_mask")
+FILLER_ZEROED = ("loss_mask", "advantages", "teacher_kl_mask", "mode_choice_mask", "mode_choice_advantages")
 
 
 @dataclass(eq=False)  # compared field by field, tensors would make == ambiguous
@@ -53,6 +53,9 @@ class TrainBatch:
     rollout_is_weights: torch.Tensor | None = None
     # the mode entropy bonus (only with the mode_entropy term):
     mode_choice_mask: torch.Tensor | None = None  # [N, T] 1 on the tokens that chose a search's retrieval mode
+    # [N, T] the mode-PG term's advantages at those tokens when they differ from ``advantages``
+    # (learner.loss.mode_pg_centring: route, ``route_centred_mode_advantages``); None: ``advantages``
+    mode_choice_advantages: torch.Tensor | None = None
     # PathRouter's teacher KL (only with the teacher_kl term):
     teacher_token_ids: torch.Tensor | None = None  # [N, T'] long: the prompt with gold evidence + the same trajectory
     teacher_attention_mask: torch.Tensor | None = None  # [N, T']
@@ -176,11 +179,38 @@ def mode_choice_mask(rollout) -> list[float]:
     return mask
 
 
-def mode_choice_fields(rollouts: Sequence) -> BatchFields:
-    """``{"mode_choice_mask": [N, T]}`` for the learner's mode entropy bonus (``mode_choice_mask``
-    per rollout, right-padded like the other per-token fields)."""
+def mode_choice_fields(rollouts: Sequence, route_centred: torch.Tensor | None = None) -> BatchFields:
+    """``{"mode_choice_mask": [N, T]}`` for the learner's mode-choice terms (``mode_choice_mask``
+    per rollout, right-padded like the other per-token fields). With ``route_centred`` (the
+    rollouts' advantages ``[N]``), also ``mode_choice_advantages``: those advantages centred per
+    route over the batch (``route_centred_mode_advantages``)."""
     rows = [mode_choice_mask(r) for r in rollouts]
-    return {"mode_choice_mask": _pad_rows(rows, len(rows), max(len(r.token_ids) for r in rollouts), torch.float32)}
+    mask = _pad_rows(rows, len(rows), max(len(r.token_ids) for r in rollouts), torch.float32)
+    if route_centred is None:
+        return {"mode_choice_mask": mask}
+    ids = _pad_rows([list(r.token_ids) for r in rollouts], len(rows), mask.shape[1], torch.long)
+    return {"mode_choice_mask": mask, "mode_choice_advantages": route_centred_mode_advantages(route_centred, ids, mask)}
+
+
+def route_centred_mode_advantages(advantages: torch.Tensor, token_ids: torch.Tensor,
+                                  mode_choice_mask: torch.Tensor) -> torch.Tensor:
+    """``[N, T]``: at each mode choice, its sequence's advantage minus the mean advantage of every
+    choice in the batch that chose the same route (the same token), 0 elsewhere::
+
+        Ã_{i,t} = Â_i − mean{Â_j : choice (j, s) picked token y_{i,t}}
+
+    For each route the centred credits sum to 0 over the batch, so a shift of the mode logits
+    shared by every question gets no first-order credit from the slot term when the slot's state
+    is the same for all questions (issue #64, sitting 7: cosine 0.9992 between the two types'
+    states); what remains is how a route's credit differs between questions. A route chosen once
+    gets 0."""
+    chosen = mode_choice_mask.bool()
+    per_token = advantages.float()[:, None].expand(chosen.shape) if advantages.dim() == 1 else advantages.float()
+    centred = torch.zeros(chosen.shape, dtype=torch.float32)
+    for route in token_ids[chosen].unique():
+        picked = chosen & (token_ids == route)
+        centred[picked] = per_token[picked] - per_token[picked].mean()
+    return centred
 
 
 def teacher_fields(rollouts: Sequence, pad_token_id: int) -> BatchFields:

@@ -85,6 +85,9 @@ class PolicyLossConfig:
     # k: an extra clipped PG term over the mode-choice tokens alone (losses.mode_choice_policy_loss),
     # a mean over those tokens: the route gets weight k of its own instead of 1 token's share of ~70
     mode_pg_coef: float = 0.0
+    # the mode-PG term's credit: "none", the episodes' advantages; "route", those advantages centred
+    # per route over the batch (raggym.algorithms.batch.route_centred_mode_advantages; the recipe builds them)
+    mode_pg_centring: Literal["none", "route"] = "none"
     teacher_kl: bool = False  # PathRouter selective teacher KL
     teacher_top_k: int = 128
     evidence_threshold: float = 0.1  # θ_P
@@ -108,6 +111,11 @@ class PolicyLossConfig:
                 raise ValueError(f"learner.loss.rollout_correction has unknown keys {unknown}; "
                                  "known: level, kind, threshold, lower")
             self.rollout_correction = RolloutCorrectionConfig(**dict(correction or {}))
+        if self.mode_pg_centring not in ("none", "route"):
+            raise ValueError(f"learner.loss.mode_pg_centring must be 'none' or 'route', got {self.mode_pg_centring!r}")
+        if self.mode_pg_centring == "route" and not self.mode_pg_coef > 0:
+            raise ValueError("learner.loss.mode_pg_centring: route centres the mode-PG term's credit; "
+                             "it needs learner.loss.mode_pg_coef > 0")
         if self.terms is not None:
             self.terms = [str(t) for t in self.terms]
         named = self.term_names()
@@ -409,12 +417,18 @@ def mode_choice_pg(inputs: PolicyLossInputs, config: PolicyLossConfig) -> LossTe
         L_mode = Σ_{i,t} c_{i,t}·m_{i,t}·L_{i,t} / Σ_{i,t} c_{i,t}·m_{i,t},   k = ``mode_pg_coef``
 
     Its normaliser is ``mode_choice_tokens``, so the learner makes it the mean over the whole
-    mini-batch's mode choices, whichever micro-batch holds them. Logged: ``mode_pg_term`` (L_mode,
+    mini-batch's mode choices, whichever micro-batch holds them. With ``mode_pg_centring: route``
+    its advantages are the batch's ``mode_choice_advantages`` (centred per route). Logged: ``mode_pg_term`` (L_mode,
     unweighted) and ``mode_pg_clip_fraction``.
     """
     dual = config.dual_clip or "dual_clip" in config.term_names()  # the main term's clipping, whichever names it
+    centred = inputs.batch.mode_choice_advantages
+    if config.mode_pg_centring == "route" and centred is None:
+        raise ValueError("learner.loss.mode_pg_centring: route needs the batch's mode_choice_advantages "
+                         "(raggym.algorithms.batch.mode_choice_fields with route_centred)")
+    advantages = inputs.advantages if config.mode_pg_centring == "none" else centred.to(inputs.mask.device)
     value, stats = mode_choice_policy_loss(
-        inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask,
+        inputs.log_probs, inputs.old_log_probs, advantages, inputs.mask,
         inputs.batch.mode_choice_mask.to(inputs.mask.device, inputs.log_probs.dtype), clip_low=config.clip_low,
         clip_high=config.clip_high, dual_clip=dual, clip_ratio_c=config.clip_ratio_c,
         token_weights=inputs.rollout_is_weights,
