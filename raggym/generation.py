@@ -103,8 +103,10 @@ class ModeSlotDetector:
         self.at_end = re.compile(f"(?:{mode_slot})\\Z")
         self.decode = decode
 
-    def at_slot(self, context_ids: Sequence[int]) -> bool:
-        tail = list(context_ids[-MODE_SLOT_WINDOW:])
+    def at_slot(self, context_ids: Sequence[int], continuation: Sequence[int] = ()) -> bool:
+        """Whether ``context_ids`` followed by ``continuation`` (an engine's prompt and the ids it has
+        sampled so far) ends at the slot; only their last ``MODE_SLOT_WINDOW`` ids are read."""
+        tail = (list(context_ids[-MODE_SLOT_WINDOW:]) + list(continuation[-MODE_SLOT_WINDOW:]))[-MODE_SLOT_WINDOW:]
         return bool(tail) and self.at_end.search(self.decode(tail)) is not None
 
 

@@ -217,7 +217,7 @@ class HFEngine:
         slot = ModeSlotDetector(sampling.mode_slot, self._decode) if sampling.slot_sampling else None
 
         for _ in range(max_new_tokens):
-            at_slot = None if slot is None else torch.tensor([slot.at_slot(prompts[i] + ids[i]) for i in active])
+            at_slot = None if slot is None else torch.tensor([slot.at_slot(prompts[i], ids[i]) for i in active])
             logp = process_logits(logits, sampling, at_slot)
             if sampling.greedy:
                 tokens = torch.argmax(logp, dim=-1)

@@ -25,7 +25,7 @@ from vllm import SamplingParams as VLLMSamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from actors.engines.vllm_engine import SLOT_MIN_P_ARG, SLOT_PATTERN_ARG, SLOT_TEMPERATURE_ARG
-from raggym.generation import MODE_SLOT_WINDOW, ModeSlotDetector, slot_logits
+from raggym.generation import ModeSlotDetector, slot_logits
 
 
 class ModeSlotTemperature(AdapterLogitsProcessor):
@@ -56,8 +56,7 @@ class ModeSlotTemperature(AdapterLogitsProcessor):
         min_p = float(args[SLOT_MIN_P_ARG])
 
         def rescale(prompt_ids: Sequence[int], output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-            tail = list(prompt_ids[-MODE_SLOT_WINDOW:]) + list(output_ids[-MODE_SLOT_WINDOW:])  # a live reference
-            if not detector.at_slot(tail[-MODE_SLOT_WINDOW:]):
+            if not detector.at_slot(prompt_ids, output_ids):  # output_ids: vLLM's live list of this request's ids
                 return logits
             return slot_logits(logits, temperature, slot_temperature, min_p)  # logits here are z / T
 

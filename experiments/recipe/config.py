@@ -324,15 +324,15 @@ def _cross_errors(c: dict) -> list[tuple[str, str]]:
         elif coef > 0 and not mode_slot_of(env_id):
             errs.append((f"learner.loss.{key}", f"{env_id}'s searches name no retrieval mode for {what} to "
                                                 "act on (RouteRAG's do)"))
-    slot_temperature = c["rollout"].get("mode_slot_temperature")
+    slot_temperature = c["rollout"]["mode_slot_temperature"]
     if slot_temperature is not None:
         if not float(slot_temperature) > 0:
             errs.append(("rollout.mode_slot_temperature", f"must be positive (null: off), got {slot_temperature}"))
         elif not mode_slot_of(env_id):
             errs.append(("rollout.mode_slot_temperature", f"{env_id}'s searches name no retrieval mode to sample "
                                                           "at its own temperature (RouteRAG's do)"))
-        elif not 0 <= float(c["rollout"].get("mode_slot_min_p", 0.001)) < 1:
-            errs.append(("rollout.mode_slot_min_p", f"must be in [0, 1), got {c['rollout'].get('mode_slot_min_p')}"))
+        elif not 0 <= float(c["rollout"]["mode_slot_min_p"]) < 1:
+            errs.append(("rollout.mode_slot_min_p", f"must be in [0, 1), got {c['rollout']['mode_slot_min_p']}"))
         elif (c["learner"] or {}).get("old_logprobs", "rollout") != "recompute":
             errs.append(("rollout.mode_slot_temperature", "samples the mode choice from another distribution than the "
                                                           "policy's; PPO's ratio must start from the policy's own "

@@ -173,9 +173,9 @@ def sampling_params(cfg, seed_index: int, temperature: float | None = None):
     """The training rollouts' sampling (``temperature`` None), or an evaluation's at ``temperature``;
     only training rollouts sample the mode slot at ``rollout.mode_slot_temperature``."""
     t = float(cfg.rollout.temperature if temperature is None else temperature)
-    slot_t = cfg.rollout.get("mode_slot_temperature") if temperature is None else None
+    slot_t = cfg.rollout.mode_slot_temperature if temperature is None else None
     slot = ({"mode_slot": mode_slot_of(cfg.env.id), "mode_slot_temperature": float(slot_t),
-             "mode_slot_min_p": float(cfg.rollout.get("mode_slot_min_p", 0.001))} if slot_t and t > 0 else {})
+             "mode_slot_min_p": float(cfg.rollout.mode_slot_min_p)} if slot_t and t > 0 else {})
     return SamplingParams(temperature=t, top_p=float(cfg.rollout.top_p) if t > 0 else 1.0,
                           seed=derive_seed(int(cfg.run.seed), seed_index), **slot)
 
