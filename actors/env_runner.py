@@ -56,6 +56,7 @@ class RayBackend:
         self._session_worker: dict[str, int] = {}
         self.open_sessions = [0] * len(self.workers)  # this backend's sessions on each worker
         self.contexts = SentContexts()  # per session, the ids its worker holds
+        self.ended: list[list[str]] = [[] for _ in self.workers]  # per worker, ended since our last call to it
 
     def worker_of(self, session_id: str) -> int:
         """The worker a session runs on; a new session goes to the least-loaded one."""
@@ -69,11 +70,13 @@ class RayBackend:
         return index
 
     async def generate(self, session_id: str, context_token_ids, sampling, stop_strings, max_new_tokens: int):
-        worker = self.workers[self.worker_of(session_id)]
+        index = self.worker_of(session_id)
+        worker = self.workers[index]
         keep, new_ids = self.contexts.delta(session_id, context_token_ids)
         args = (sampling, list(stop_strings), int(max_new_tokens))
+        ended, self.ended[index] = self.ended[index], []
         try:
-            result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
+            result = await worker.continue_session.remote(session_id, keep, new_ids, *args, ended=ended)
         except SessionContextLostError:  # the worker was restarted: it holds nothing of the session
             keep, new_ids = 0, list(context_token_ids)
             result = await worker.continue_session.remote(session_id, keep, new_ids, *args)
@@ -86,7 +89,10 @@ class RayBackend:
             return
         self.open_sessions[index] -= 1
         self.contexts.forget(session_id)
-        self.workers[index].end_session.remote(session_id)  # frees the worker's cache; nothing to wait for
+        # The worker frees what it holds of the session when this backend next calls it: the end
+        # rides on that turn rather than taking a Ray call of its own (at most one rollout's ended
+        # sessions wait on a worker, a few thousand ids each).
+        self.ended[index].append(session_id)
 
     async def retrieve(self, requests: Sequence[RetrievalRequest]) -> list:
         """One ``retrieve_groups`` call per service for the batch, its groups by (mode, k).

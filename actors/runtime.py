@@ -36,6 +36,7 @@ from actors.env_runner import EnvRunner
 from actors.learner import Learner, LearnerGroup
 from actors.retrieval_service import RESTARTS, start_retrieval_service
 from actors.sync_verify import SyncVerifier, default_tolerance, probe_token_ids
+from actors.weight_sync import ProbeScores
 from envs.rollout import EpisodeRequest, LocalBackend, MultiTurnRollout, RolloutConfig
 from raggym.config_nodes import ConfigError, to_plain
 from raggym.data import Passage
@@ -143,6 +144,16 @@ def score_probe_on_ray(learners, workers: Sequence, ids, chosen: Sequence[int]) 
     return scores[0], scores[len(learner):]
 
 
+def prompt_scorer(engine):
+    """An in-process engine's ``score_prompt`` (a sync probe's scores); a clear error for an engine
+    without weights to score with."""
+    score = getattr(engine, "score_prompt", None)
+    if score is None:
+        raise TypeError(f"{type(engine).__name__} cannot score a prompt, so its weight syncs cannot be "
+                        "verified; train with rollout.verify_sync.every=0")
+    return score
+
+
 def sync_verifier(cfg, tokenizer, score, dtypes: tuple[str | None, str | None], num_workers: int) -> SyncVerifier | None:
     """The run's ``SyncVerifier`` (``rollout.verify_sync``), its baseline taken: ``None`` when the
     verification is off. ``score(ids, workers)`` is the runtime's (``SyncVerifier``); ``dtypes`` are
@@ -200,13 +211,18 @@ class LocalLearnerGroup:
         metrics["weight_version"] = float(self.version)
         return metrics
 
-    def sync_weights(self, workers, dtype=None) -> dict[str, float]:
+    def sync_weights(self, workers, dtype=None, probe=None) -> tuple[dict[str, float], ProbeScores | None]:
+        """``LearnerGroup.sync_weights`` in this process: the engines load the weights and, with
+        ``probe``, both sides score it."""
         t0 = time.perf_counter()
         flat = self.learner.get_weights(dtype)
         versions = [w.update_weights(flat, self.version) for w in workers]
         if set(versions) != {self.version}:
             raise RuntimeError(f"engines report weight versions {versions}, expected {self.version}")
-        return {"weight_version": float(self.version), "sync_seconds": time.perf_counter() - t0}
+        metrics = {"weight_version": float(self.version), "sync_seconds": time.perf_counter() - t0}
+        if probe is None:
+            return metrics, None
+        return metrics, (self.learner.score_probe(probe), [prompt_scorer(w)(probe) for w in workers])
 
     def score_probe(self, token_ids) -> torch.Tensor:
         return self.learner.score_probe(token_ids)
@@ -270,16 +286,13 @@ class LocalRuntime(InProcessRollouts):
             self.verifier = sync_verifier(cfg, self.tokenizer, self._score_probe, dtypes, 1)
 
     def _score_probe(self, ids, workers):
-        score = getattr(self.engine, "score_prompt", None)
-        if score is None:
-            raise TypeError(f"{type(self.engine).__name__} cannot score a prompt, so its weight syncs cannot be "
-                            "verified; train with rollout.verify_sync.every=0")
-        return self.learners.score_probe(ids), [score(ids) for _ in workers]
+        return self.learners.score_probe(ids), [prompt_scorer(self.engine)(ids) for _ in workers]
 
     def sync_weights(self) -> dict[str, float]:
-        metrics = self.learners.sync_weights([self.engine])
-        if self.verifier is not None:
-            metrics.update(self.verifier.after_sync(self.learners.version))
+        probe = None if self.verifier is None else self.verifier.next_probe()
+        metrics, scores = self.learners.sync_weights([self.engine], probe=probe)
+        if scores is not None:
+            metrics.update(self.verifier.check_sync(self.learners.version, *scores))
         return metrics
 
     def shutdown(self) -> None:
@@ -464,8 +477,9 @@ class RayRuntime:
         return restarted
 
     def sync_weights(self) -> dict[str, float]:
+        probe = None if self.verifier is None else self.verifier.next_probe()
         if self._sync_backend is None:  # every worker loads the weights, a restarted one as well
-            metrics = self.learners.sync_weights(self.workers)
+            metrics, scores = self.learners.sync_weights(self.workers, probe=probe)
         else:
             # A restarted worker has no rank in the broadcast group, and a broadcast would wait for
             # it: with a collective sync (only), the workers are asked first.
@@ -473,9 +487,9 @@ class RayRuntime:
             if not self._sync_ready:  # the broadcast group is built once, at the first sync
                 self.learners.init_weight_sync(self.workers, backend=self._sync_backend)
                 self._sync_ready = True
-            metrics = self.learners.broadcast_weights(self.workers)
-        if self.verifier is not None:
-            metrics.update(self.verifier.after_sync(self.learners.version))
+            metrics, scores = self.learners.broadcast_weights(self.workers, probe=probe)
+        if scores is not None:  # the probe rode on the sync's calls (actors.sync_verify)
+            metrics.update(self.verifier.check_sync(self.learners.version, *scores))
         return metrics
 
     def shutdown(self) -> None:

@@ -25,7 +25,11 @@ the last good one. Each check's figures are logged (``sync/probe_*``). ``every``
 out (every sync by default; every N-th on a cluster, where a probe costs one short forward per
 engine); a restarted worker's resync is always checked.
 
-Nothing here imports Ray: the runtime hands in the two scoring functions.
+On Ray a checked sync carries the probe: the learner scores it in the call that publishes (or
+broadcasts) the weights, each worker in the call that loads them, and the scores come back in their
+answers (``actors.weight_sync.Published`` / ``Loaded``), so verifying costs no call of its own.
+Nothing here imports Ray: the runtime hands in a scoring function for the baseline and for a
+restarted worker's check, and the synced scores for the rest.
 """
 
 from __future__ import annotations
@@ -133,8 +137,10 @@ class SyncVerifier:
     ``score(ids, workers) -> (learner, engines)``: the learner's current per-token log-probs of
     ``ids`` (length ``len(ids) - 1``) and one such vector per listed worker index, computed side by
     side where the runtime can. ``baseline(n)`` scores the start (learner and engines on the same
-    initial weights, which it checks too); ``after_sync(version)`` counts a sync and verifies it
-    when it is due; ``verify(version, workers)`` verifies at once (a restarted worker's resync).
+    initial weights, which it checks too). Each sync: ``next_probe()`` counts it and hands out the
+    probe when it is due, and ``check_sync(version, learner, engines)`` checks the scores the sync
+    brought back (``after_sync(version)`` does both, scoring with ``score``, for a sync that cannot
+    carry the probe); ``verify(version, workers)`` verifies at once (a restarted worker's resync).
     """
 
     def __init__(self, probe_ids: Sequence[int], score: Callable, *, tolerance: float, every: int = 1):
@@ -150,6 +156,10 @@ class SyncVerifier:
 
     def _scores(self, workers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         learner, engines = self.score(self.probe_ids, list(workers))
+        return self._vectors(learner, workers, engines)
+
+    @staticmethod
+    def _vectors(learner, workers: Sequence[int], engines: Sequence) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         if len(engines) != len(workers):
             raise RuntimeError(f"asked {len(workers)} engines to score the sync probe, got {len(engines)} answers")
         as_vector = lambda v: torch.as_tensor(v, dtype=torch.float64).flatten()  # noqa: E731
@@ -161,7 +171,7 @@ class SyncVerifier:
         learner, engines = self._scores(range(num_workers))
         self._start = (learner, engines)
         self._refs = {i: (learner, e) for i, e in engines.items()}
-        return self._check(version, learner, engines, t0)
+        return {**self._check(version, learner, engines), "verify_seconds": time.perf_counter() - t0}
 
     def restarted(self, workers: Sequence[int]) -> None:
         """Workers Ray rebuilt hold their initial weights again: measure their movement from the start."""
@@ -171,13 +181,27 @@ class SyncVerifier:
         for i in workers:
             self._refs[int(i)] = (learner, engines[int(i)])
 
-    def after_sync(self, version: int) -> dict[str, float]:
-        """Count one sync of every worker to ``version``; verify it when due (every ``every``-th).
-        Returns the ``probe_*`` metrics, or ``{}`` when this sync is not checked."""
+    def next_probe(self) -> list[int] | None:
+        """Count one sync of every worker; the probe ids when this sync is to be checked (every
+        ``every``-th), else ``None``. A runtime sends them with the sync, whose answers bring back
+        the scores for ``check_sync``, so a checked sync costs no call of its own."""
         self.syncs += 1
-        if self.syncs % self.every:
-            return {}
-        return self.verify(version)
+        return None if self.syncs % self.every else list(self.probe_ids)
+
+    def check_sync(self, version: int, learner, engines: Sequence) -> dict[str, float]:
+        """Check the scores a sync to ``version`` brought back: the learner's vector and one per
+        worker, in worker order. Returns the ``probe_*`` metrics; raises ``WeightSyncError``."""
+        if self._start is None:
+            raise RuntimeError("SyncVerifier.check_sync before baseline(): there is nothing to measure movement from")
+        if len(engines) != len(self._refs):
+            raise RuntimeError(f"a sync of {len(self._refs)} engines brought back {len(engines)} probe scores")
+        learner, by_worker = self._vectors(learner, range(len(engines)), engines)
+        return self._check(version, learner, by_worker)
+
+    def after_sync(self, version: int) -> dict[str, float]:
+        """``next_probe`` and, when due, ``verify`` at once: for a sync that did not carry the probe.
+        Returns the ``probe_*`` metrics, or ``{}`` when this sync is not checked."""
+        return {} if self.next_probe() is None else self.verify(version)
 
     def verify(self, version: int, workers: Sequence[int] | None = None) -> dict[str, float]:
         """Check ``workers`` (default: all) at ``version`` now."""
@@ -186,9 +210,9 @@ class SyncVerifier:
         t0 = time.perf_counter()
         chosen = sorted(self._refs) if workers is None else [int(i) for i in workers]
         learner, engines = self._scores(chosen)
-        return self._check(version, learner, engines, t0)
+        return {**self._check(version, learner, engines), "verify_seconds": time.perf_counter() - t0}
 
-    def _check(self, version: int, learner: torch.Tensor, engines: dict[int, torch.Tensor], t0: float) -> dict[str, float]:
+    def _check(self, version: int, learner: torch.Tensor, engines: dict[int, torch.Tensor]) -> dict[str, float]:
         readings = []
         for i, engine in engines.items():
             learner_ref, engine_ref = self._refs[i]
@@ -206,8 +230,7 @@ class SyncVerifier:
                 "probe_drift_max": max(r.drift_max for r in readings),
                 "probe_learner_moved": max(r.learner_moved for r in readings),
                 "probe_engine_moved": min(r.engine_moved for r in readings),
-                "probe_engines": float(len(readings)),
-                "verify_seconds": time.perf_counter() - t0}
+                "probe_engines": float(len(readings))}
 
 
 __all__ = ["FP32_TOLERANCE", "PROBE_TEXT", "ProbeReading", "REDUCED_PRECISION_TOLERANCE",

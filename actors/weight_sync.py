@@ -155,12 +155,52 @@ def named_tensors_of(weights) -> tuple[Iterable[tuple[str, torch.Tensor]], int |
 
 
 # ---------------------------------------------------------------------------------------------
+# what each side answers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A rollout worker's answer to a sync: the weight version it now holds and, when the sync
+    carried the verifier's probe (``actors.sync_verify``), its log p(x_t | x_<t) of the probe under
+    those weights, scored in the same call so that verifying a sync costs no second round trip."""
+
+    version: int
+    probe_logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class Published:
+    """A learner rank's answer to a sync: the ``ObjectRef`` of the weights it put in the object
+    store (rank 0 of an object-store sync, else ``None``), the bytes it broadcast (rank 0 of a
+    collective sync, else 0) and, when the sync carried the probe, its log-probs of the probe (rank 0,
+    and every rank under ZeRO-3, whose forward needs them all; else ``None``)."""
+
+    weights: object = None
+    bytes_sent: int = 0
+    probe_logprobs: torch.Tensor | None = None
+
+
+ProbeScores = tuple[torch.Tensor, list[list[float]]]  # the learner's probe log-probs, and each worker's
+
+
+def probe_scores(learner: Published, workers: Sequence[Loaded]) -> ProbeScores:
+    """A ``SyncVerifier``'s scores from the answers of a sync that carried the probe: the learner's
+    vector and one per worker, in worker order."""
+    if learner.probe_logprobs is None or any(w.probe_logprobs is None for w in workers):
+        raise RuntimeError("a sync that carried the verifier's probe came back without its scores")
+    return learner.probe_logprobs, [w.probe_logprobs for w in workers]
+
+
+# ---------------------------------------------------------------------------------------------
 # object store
 # ---------------------------------------------------------------------------------------------
 
 
-def push_weights_via_object_store(weights_ref, workers: Sequence, *, timeout_s: float | None = None) -> list[int]:
-    """Hand one ``ray.put`` of ``FlatWeights`` to every rollout worker; returns their new versions.
+def push_weights_via_object_store(weights_ref, workers: Sequence, *, probe: Sequence[int] | None = None,
+                                  timeout_s: float | None = None) -> list[Loaded]:
+    """Hand one ``ray.put`` of ``FlatWeights`` to every rollout worker; returns their ``Loaded``
+    answers (with their scores of ``probe`` when one is given).
 
     ``weights_ref`` is the ``ObjectRef`` of a ``FlatWeights`` (``LearnerGroup.publish_weights``
     makes it). Passing the ref as a top-level argument lets Ray resolve it inside each worker from
@@ -169,7 +209,7 @@ def push_weights_via_object_store(weights_ref, workers: Sequence, *, timeout_s: 
     import ray
 
     # the async variant works for every engine: vLLM's AsyncLLM updates asynchronously
-    return ray.get([w.update_weights_async.remote(weights_ref) for w in workers], timeout=timeout_s)
+    return ray.get([w.update_weights_async.remote(weights_ref, probe=probe) for w in workers], timeout=timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +371,9 @@ class WeightSyncGroup:
 __all__ = [
     "BACKENDS",
     "FlatWeights",
+    "Loaded",
+    "ProbeScores",
+    "Published",
     "TensorSpec",
     "WeightSyncGroup",
     "dtype_from_name",
@@ -339,5 +382,6 @@ __all__ = [
     "named_tensors_of",
     "node_address",
     "pick_free_port",
+    "probe_scores",
     "push_weights_via_object_store",
 ]

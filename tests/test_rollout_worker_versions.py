@@ -88,7 +88,7 @@ def test_ray_worker_serves_concurrent_sessions_and_a_restart_waits_for_weights(t
             ray.get(worker.generate.remote([PROMPT], sampling, (), 4), timeout=120)
         weights = {n: torch.zeros_like(p) if n.endswith("norm.weight") else p.detach().clone()
                    for n, p in RolloutWorker(engine="hf", model=tiny_random_policy).engine.model.named_parameters()}
-        assert ray.get(worker.update_weights_async.remote(weights, 9)) == 9
+        assert ray.get(worker.update_weights_async.remote(weights, 9)).version == 9
         after = ray.get(worker.generate_async.remote("s0", PROMPT, sampling, (), 4), timeout=120)
         assert after.weight_version == 9 and len(after.token_ids) == 4
         # the restarted worker holds nothing of the episode: it refuses the delta, and the backend
@@ -99,5 +99,11 @@ def test_ray_worker_serves_concurrent_sessions_and_a_restart_waits_for_weights(t
         assert backend.contexts.counts()["context_ids_sent"] - sent_before == len(third_context)
         fresh = ray.get(worker.generate_async.remote("fresh", third_context, sampling, (), 4), timeout=120)
         assert third.token_ids == fresh.token_ids and third.weight_version == 9
+        # an ended episode costs no call: its end rides on the backend's next call to the worker
+        sessions = ray.get(worker.load.remote())["sessions"]
+        backend.end_session("episode")
+        assert ray.get(worker.load.remote())["sessions"] == sessions  # nothing has told the worker yet
+        asyncio.run(backend.generate("after", PROMPT, sampling, (), 2))
+        assert ray.get(worker.load.remote())["sessions"] == sessions  # "episode" freed, "after" opened
     finally:
         ray.shutdown()

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from actors.engines import RolloutWorker, SamplingParams
 from actors.engines.session_context import HeldContexts, SentContexts, SessionContextLostError, shared_prefix_length
+from actors.env_runner import RayBackend
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 OBSERVATIONS = [[40, 41, 42], [50, 51], [60, 61, 62, 63]]
@@ -101,4 +102,23 @@ def test_a_worker_without_the_session_refuses_a_delta_and_takes_the_whole_contex
         asyncio.run(worker.continue_session("s", 4, [9, 10], sampling, (), 3))
     result = asyncio.run(worker.continue_session("s", 0, PROMPT, sampling, (), 3))
     assert len(result.token_ids) == 3
+    worker.engine.close()
+
+
+def test_ended_sessions_ride_on_the_backends_next_call_and_the_worker_frees_them_first(tiny_random_policy):
+    """``RayBackend.end_session`` makes no call: the worker frees an ended session when the backend
+    next calls it (``continue_session(..., ended=...)``), before that turn runs."""
+    backend = RayBackend(["worker-0", "worker-1"])  # end_session only keeps books: no actor is called
+    index = backend.worker_of("a")
+    backend.end_session("a")
+    assert backend.ended[index] == ["a"] and backend.ended[1 - index] == [] and backend.open_sessions == [0, 0]
+    worker = RolloutWorker(engine="hf", model=tiny_random_policy)
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    asyncio.run(worker.continue_session("a", 0, PROMPT, sampling, (), 3))
+    asyncio.run(worker.continue_session("b", 0, PROMPT, sampling, (), 3))
+    assert len(worker.contexts) == 2 and worker.load()["sessions"] == 2
+    asyncio.run(worker.continue_session("b", len(PROMPT) + 3, [9], sampling, (), 3, ended=["a"]))
+    assert len(worker.contexts) == 1 and worker.load()["sessions"] == 1  # "a" is gone, "b" went on
+    with pytest.raises(SessionContextLostError):  # nothing of "a" is held any more
+        asyncio.run(worker.continue_session("a", 4, [9], sampling, (), 3))
     worker.engine.close()

@@ -133,6 +133,27 @@ def test_every_n_checks_every_nth_sync_against_the_last_checked_one():
         verifier.after_sync(2)
 
 
+def test_a_sync_carries_the_probe_when_due_and_its_scores_are_checked_without_a_call_of_its_own():
+    scores = ScoresByHand(2)
+    verifier = make_verifier(scores, every=2)
+    calls = len(scores.calls)
+    assert verifier.next_probe() is None  # sync 1: not due, nothing to carry
+    assert verifier.next_probe() == [1, 2, 3, 4, 5]  # sync 2 carries the probe
+    scores.learner -= 0.01
+    scores.engines[0] -= 0.01
+    learner, engines = scores([1, 2, 3, 4, 5], [0, 1])  # what the sync's answers bring back
+    with pytest.raises(RuntimeError, match="2 engines brought back 1"):
+        verifier.check_sync(2, learner, engines[:1])
+    metrics = verifier.check_sync(2, learner, [engines[0], engines[0]])
+    assert metrics["probe_engine_moved"] == pytest.approx(0.01) and "verify_seconds" not in metrics
+    assert len(scores.calls) == calls + 1  # only this test's own call: the verifier scored nothing itself
+    scores.learner -= 0.01  # the next step: worker 0 takes it, worker 1 loads nothing
+    scores.engines = [engines[0] - 0.01, engines[0]]
+    assert verifier.next_probe() is None and verifier.next_probe() is not None
+    with pytest.raises(WeightSyncError, match="rollout worker 1 at version 4"):
+        verifier.check_sync(4, *scores([1, 2, 3, 4, 5], [0, 1]))
+
+
 def test_a_restarted_worker_is_measured_from_the_start():
     scores = ScoresByHand(2)
     verifier = make_verifier(scores)
@@ -162,6 +183,8 @@ def test_bad_settings_are_refused():
         SyncVerifier([1, 2], ScoresByHand(1), tolerance=0.0)
     with pytest.raises(RuntimeError, match="baseline"):
         SyncVerifier([1, 2], ScoresByHand(1), tolerance=TOL).verify(1)
+    with pytest.raises(RuntimeError, match="baseline"):
+        SyncVerifier([1, 2], ScoresByHand(1), tolerance=TOL).check_sync(1, torch.zeros(1), [torch.zeros(1)])
 
 
 def test_the_probe_is_a_fixed_prefix_of_its_text():

@@ -186,10 +186,12 @@ def verifier(cluster, prompts):
     return check
 
 
-def assert_sync_verified(verifier, version: int) -> None:
-    """The probe check passes at ``version`` and had something to see: the learners moved the probe
-    ten times the tolerance, so an engine that loaded nothing would have failed it."""
-    checked = verifier.after_sync(version)
+def assert_sync_verified(verifier, version: int, scores) -> None:
+    """The probe check of the scores that rode back on the sync passes at ``version`` and had
+    something to see: the learners moved the probe ten times the tolerance, so an engine that
+    loaded nothing would have failed it."""
+    assert scores is not None and len(scores[1]) == 2  # the learner's vector, and each worker's
+    checked = verifier.check_sync(version, *scores)
     assert checked["probe_engines"] == 2.0
     assert checked["probe_learner_moved"] > 10 * FP32_TOLERANCE, checked
 
@@ -198,9 +200,9 @@ def assert_sync_verified(verifier, version: int) -> None:
 def first_update(cluster, prompts, verifier):
     ray, group = cluster["ray"], cluster["group"]
     results, batch = rollout(cluster, prompts, seed=100)
-    before = ray.get(group.publish_weights()).state_dict()
+    before = ray.get(group.publish_weights().weights).state_dict()
     metrics = group.update(batch)
-    after = ray.get(group.publish_weights()).state_dict()
+    after = ray.get(group.publish_weights().weights).state_dict()
     # Two copies of every weight would stay in this process for the module's whole run; keep what
     # the tests read: which tensors did not move, and the three the single-learner check compares.
     unmoved = [n for n in before if torch.equal(before[n], after[n])]
@@ -239,8 +241,8 @@ def test_object_store_sync_makes_rollout_logprobs_equal_learner_logprobs(cluster
     assert max_logprob_gap(stale, first_update["batch"]) > 1e-2
     with pytest.raises(WeightSyncError, match="rollout worker 0 at version 1 did not take"):
         verifier.verify(1)  # what the run's check says of workers that hold version 0's weights
-    report = group.sync_weights(workers)
-    assert_sync_verified(verifier, 1)
+    report, scores = group.sync_weights(workers, probe=verifier.next_probe())
+    assert_sync_verified(verifier, 1, scores)
     assert report["weight_version"] == 1.0 and report["sync_seconds"] > 0
     assert ray.get([w.weight_version.remote() for w in workers]) == [1, 1]
     assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=200, version=1)
@@ -253,9 +255,9 @@ def test_collective_gloo_sync_makes_rollout_logprobs_equal_learner_logprobs(clus
     metrics = group.update(batch)
     assert metrics["weight_version"] == 2.0
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # vLLM sampled the learner's policy
-    report = group.broadcast_weights(workers)
+    report, scores = group.broadcast_weights(workers, probe=verifier.next_probe())
     assert report["weight_version"] == 2.0 and report["bytes"] > 100e6
-    assert_sync_verified(verifier, 2)  # a receive that loads nothing fails here
+    assert_sync_verified(verifier, 2, scores)  # a receive that loads nothing fails here
     assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=400, version=2)
 
 
@@ -270,7 +272,7 @@ def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_i
     assert group.init_weight_sync(workers, backend="gloo") == 3
     _, batch = rollout(cluster, prompts, seed=450)
     version = int(group.update(batch)["weight_version"])
-    assert group.broadcast_weights(workers)["weight_version"] == version >= 1
+    assert group.broadcast_weights(workers)[0]["weight_version"] == version >= 1
     assert ray.get([w.weight_version.remote() for w in workers]) == [version, version]
     assert group.resync_restarted(workers) == []  # nobody restarted: nothing to do
     ray.kill(workers[1], no_restart=False)  # vLLM's actor process dies; Ray rebuilds it (engine and all)
@@ -291,5 +293,5 @@ def test_a_killed_vllm_worker_comes_back_refuses_stale_weights_and_is_resynced_i
     assert group.init_weight_sync(workers, backend="gloo") == 3
     _, batch = rollout(cluster, prompts, seed=600, worker=1)
     assert group.update(batch)["weight_version"] == version + 1
-    assert group.broadcast_weights(workers)["weight_version"] == version + 1
+    assert group.broadcast_weights(workers)[0]["weight_version"] == version + 1
     assert_every_worker_samples_the_learners_policy(cluster, prompts, seed=700, version=version + 1)

@@ -36,6 +36,7 @@ from typing import Sequence
 
 from actors.engines.base import GenerationResult, SamplingParams, engine_info
 from actors.engines.session_context import HeldContexts
+from actors.weight_sync import Loaded
 from envs.session_adapter import as_session_engine
 
 
@@ -157,10 +158,15 @@ class RolloutWorker:
         sampling: SamplingParams | None = None,
         stop_strings: Sequence[str] = (),
         max_new_tokens: int = 256,
+        ended: Sequence[str] = (),
     ) -> GenerationResult:
         """One turn of a session sent as what is new: the first ``keep`` ids this worker holds of
         the session (its last context and the ids it sampled then), followed by ``new_token_ids``.
-        ``SessionContextLostError`` when it holds fewer (``actors.engines.session_context``)."""
+        ``SessionContextLostError`` when it holds fewer (``actors.engines.session_context``).
+        ``ended``: the caller's sessions that ended since its last call here, freed first (their
+        ends ride on this call; ``actors.env_runner.RayBackend.end_session``)."""
+        for finished in ended:
+            self.end_session(finished)
         self._check_synced()
         context = self.contexts.rebuild(session_id, int(keep), new_token_ids)
         result = await self.sessions.generate_async(session_id, context, sampling, stop_strings, max_new_tokens)
@@ -185,12 +191,16 @@ class RolloutWorker:
             raise TypeError(f"{type(self.engine).__name__} updates its weights asynchronously; call update_weights_async")
         return self._updated(self.engine.update_weights(weights, version))
 
-    async def update_weights_async(self, weights, version: int | None = None) -> int:
+    async def update_weights_async(self, weights, version: int | None = None,
+                                   probe: Sequence[int] | None = None) -> Loaded:
         """``update_weights`` for any engine, without blocking the actor's event loop (an
-        ``HFEngine`` update waits for the requests in flight to finish)."""
+        ``HFEngine`` update waits for the requests in flight to finish); with ``probe``, the new
+        weights' scores of it ride back in the answer (``actors.sync_verify``)."""
         if inspect.iscoroutinefunction(self.engine.update_weights):
-            return self._updated(await self.engine.update_weights(weights, version))
-        return self._updated(await asyncio.to_thread(self.engine.update_weights, weights, version))
+            loaded = self._updated(await self.engine.update_weights(weights, version))
+        else:
+            loaded = self._updated(await asyncio.to_thread(self.engine.update_weights, weights, version))
+        return Loaded(loaded, None if probe is None else await self.score_prompt_async(probe))
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> int:
         """Join a ``WeightSyncGroup``; returns how many ranks this worker occupies in it."""
@@ -216,10 +226,13 @@ class RolloutWorker:
             raise TypeError(f"{type(self.engine).__name__} receives weights asynchronously; call receive_weights_async")
         return self._updated(self.engine.receive_weights())
 
-    async def receive_weights_async(self) -> int:
+    async def receive_weights_async(self, probe: Sequence[int] | None = None) -> Loaded:
+        """Receive a broadcast; with ``probe``, the new weights' scores of it ride back in the answer."""
         if inspect.iscoroutinefunction(self.engine.receive_weights):
-            return self._updated(await self.engine.receive_weights())
-        return self._updated(await asyncio.to_thread(self.engine.receive_weights))
+            received = self._updated(await self.engine.receive_weights())
+        else:
+            received = self._updated(await asyncio.to_thread(self.engine.receive_weights))
+        return Loaded(received, None if probe is None else await self.score_prompt_async(probe))
 
     async def score_prompt_async(self, token_ids: Sequence[int]) -> list[float]:
         """The engine's log p(x_t | x_<t) of ``token_ids`` at temperature 1 (a sync's probe,

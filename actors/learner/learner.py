@@ -46,7 +46,7 @@ import math
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ from actors.learner.distributed import (
 )
 from actors.learner.old_logprobs import OldLogprobs
 from actors.learner.update_log import UpdateLog
-from actors.weight_sync import FlatWeights, WeightSyncGroup, node_address, pick_free_port
+from actors.weight_sync import FlatWeights, Published, WeightSyncGroup, node_address, pick_free_port
 from raggym.algorithms.batch import TrainBatch
 from raggym.algorithms.logprobs import final_hidden_states, head_token_stats, head_topk, output_head
 from raggym.algorithms.losses import LOSS_AGGREGATIONS
@@ -631,18 +631,24 @@ class Learner:
         named = self._rank0_weights(dtype)
         return FlatWeights.from_named_tensors(named, self.version) if self.rank == 0 else None
 
-    def publish_weights(self, dtype: torch.dtype | str | None = None) -> list:
-        """``ray.put`` the weights once; returns ``[ObjectRef]`` on rank 0 and ``[]`` elsewhere.
-
-        The ref is wrapped in a list so that Ray hands the caller the reference, not the value.
-        """
+    def publish_weights(self, dtype: torch.dtype | str | None = None, probe: Sequence[int] | None = None) -> Published:
+        """``ray.put`` the weights once (rank 0's ``Published.weights``; ``None`` elsewhere) and,
+        with ``probe``, score it under them (``_probe_logprobs``). A ref inside the answer stays a
+        ref: Ray hands the caller the reference, not the weights."""
         import ray
 
         flat = self.get_weights(dtype)
-        refs = [ray.put(flat)] if flat is not None else []
+        ref = ray.put(flat) if flat is not None else None
         del flat  # the object store holds the copy now
         release_freed_memory()
-        return refs
+        return Published(weights=ref, probe_logprobs=self._probe_logprobs(probe))
+
+    def _probe_logprobs(self, probe: Sequence[int] | None) -> torch.Tensor | None:
+        """The sync probe's scores when a sync carries one: rank 0's, and every rank's under ZeRO-3
+        (its forward gathers the parameters from all ranks)."""
+        if probe is None or (self.rank != 0 and self.config.zero_stage != 3):
+            return None
+        return self.score_probe(probe)
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str = "gloo") -> None:
         """Rank 0 becomes the sender (rank 0) of a ``WeightSyncGroup``; other ranks do nothing."""
@@ -651,17 +657,18 @@ class Learner:
         device = self.device if backend != "gloo" else "cpu"
         self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend=backend, device=device)
 
-    def broadcast_weights(self, dtype: torch.dtype | str | None = None) -> int:
-        """Send the current weights over the sync group (every rank calls it under ZeRO-3)."""
+    def broadcast_weights(self, dtype: torch.dtype | str | None = None, probe: Sequence[int] | None = None) -> Published:
+        """Send the current weights over the sync group (every rank calls it under ZeRO-3); with
+        ``probe``, score it once the weights are sent."""
         named = self._rank0_weights(dtype)
-        if self.rank != 0:
-            return 0
-        if self._sync_group is None:
-            raise RuntimeError("call init_weight_sync before broadcast_weights")
-        sent = self._sync_group.send(named, self.version)
+        sent = 0
+        if self.rank == 0:
+            if self._sync_group is None:
+                raise RuntimeError("call init_weight_sync before broadcast_weights")
+            sent = self._sync_group.send(named, self.version)
         del named
         release_freed_memory()  # the gathered, cast copies of the weights
-        return sent
+        return Published(bytes_sent=sent, probe_logprobs=self._probe_logprobs(probe))
 
     # ------------------------------------------------------------------ checkpoints
 

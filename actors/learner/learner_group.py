@@ -17,7 +17,7 @@ from actors.cluster import get_all
 from actors.learner.batches import shard_batch
 from actors.learner.config import LearnerConfig
 from actors.learner.learner import Learner
-from actors.weight_sync import push_weights_via_object_store
+from actors.weight_sync import Loaded, ProbeScores, Published, probe_scores, push_weights_via_object_store
 from raggym.algorithms.batch import TrainBatch
 from raggym.algorithms.policy_loss import summed_over_ranks
 
@@ -105,23 +105,31 @@ class LearnerGroup:
         ranks = self.learners if self.config.zero_stage == 3 else self.learners[:1]
         return [l.score_probe.remote(list(token_ids)) for l in ranks]
 
-    def publish_weights(self, dtype: torch.dtype | str | None = None):
-        """Put the current weights into the object store once; returns the ``ObjectRef``."""
+    def publish_weights(self, dtype: torch.dtype | str | None = None, probe: Sequence[int] | None = None) -> Published:
+        """Put the current weights into the object store once; returns rank 0's ``Published``
+        (the ``ObjectRef`` and, with ``probe``, the learner's scores of it)."""
         import ray
 
-        refs = ray.get([l.publish_weights.remote(dtype) for l in self.learners])
-        return refs[0][0]
+        return ray.get([l.publish_weights.remote(dtype, probe) for l in self.learners])[0]
 
-    def sync_weights(self, workers: Sequence, dtype: torch.dtype | str | None = None) -> dict[str, float]:
-        """Object-store sync: publish once, every worker loads it. Returns versions and seconds."""
+    def sync_weights(self, workers: Sequence, dtype: torch.dtype | str | None = None,
+                     probe: Sequence[int] | None = None) -> tuple[dict[str, float], ProbeScores | None]:
+        """Object-store sync: publish once, every worker loads it. Returns versions and seconds, and
+        with ``probe`` the learner's and each worker's scores of it under the synced weights."""
         t0 = time.perf_counter()
-        ref = self.publish_weights(dtype)
+        published = self.publish_weights(dtype, probe)
         t1 = time.perf_counter()
-        versions = push_weights_via_object_store(ref, workers)
+        loaded = push_weights_via_object_store(published.weights, workers, probe=probe)
         t2 = time.perf_counter()
+        self._check_versions(loaded)
+        metrics = {"weight_version": float(self.version), "publish_seconds": t1 - t0, "load_seconds": t2 - t1,
+                   "sync_seconds": t2 - t0}
+        return metrics, None if probe is None else probe_scores(published, loaded)
+
+    def _check_versions(self, loaded: Sequence[Loaded]) -> None:
+        versions = [w.version for w in loaded]
         if set(versions) != {self.version}:
             raise RuntimeError(f"rollout workers report weight versions {versions}, expected {self.version}")
-        return {"weight_version": float(self.version), "publish_seconds": t1 - t0, "load_seconds": t2 - t1, "sync_seconds": t2 - t0}
 
     def resync_restarted(self, workers: Sequence, timeout_s: float = 600.0) -> list[int]:
         """Load the current weights into every worker that Ray restarted and that has not been synced
@@ -154,20 +162,23 @@ class LearnerGroup:
         self._sync_world = world
         return world
 
-    def broadcast_weights(self, workers: Sequence, dtype: torch.dtype | str | None = None, timeout_s: float = 600.0) -> dict[str, float]:
-        """Collective sync over the group built by ``init_weight_sync``."""
+    def broadcast_weights(self, workers: Sequence, dtype: torch.dtype | str | None = None, timeout_s: float = 600.0,
+                          probe: Sequence[int] | None = None) -> tuple[dict[str, float], ProbeScores | None]:
+        """Collective sync over the group built by ``init_weight_sync``; returns what
+        ``sync_weights`` does."""
         import ray
 
         if self._sync_world is None:
             raise RuntimeError("call init_weight_sync(workers, backend) first (again after resync_restarted found a restarted worker)")
         t0 = time.perf_counter()
-        receives = [w.receive_weights_async.remote() for w in workers]
-        sends = [l.broadcast_weights.remote(dtype) for l in self.learners]
-        versions = ray.get(receives, timeout=timeout_s)
-        sent = ray.get(sends, timeout=timeout_s)[0]
-        if set(versions) != {self.version}:
-            raise RuntimeError(f"rollout workers report weight versions {versions}, expected {self.version}")
-        return {"weight_version": float(self.version), "bytes": float(sent), "sync_seconds": time.perf_counter() - t0}
+        receives = [w.receive_weights_async.remote(probe) for w in workers]
+        sends = [l.broadcast_weights.remote(dtype, probe) for l in self.learners]
+        loaded = ray.get(receives, timeout=timeout_s)
+        published = ray.get(sends, timeout=timeout_s)[0]
+        self._check_versions(loaded)
+        metrics = {"weight_version": float(self.version), "bytes": float(published.bytes_sent),
+                   "sync_seconds": time.perf_counter() - t0}
+        return metrics, None if probe is None else probe_scores(published, loaded)
 
     def save_checkpoint(self, out_dir: str, policy: bool = True) -> str:
         """Every learner takes part (ZeRO-3 gathers); rank 0 writes ``learner/`` and ``policy/``."""
