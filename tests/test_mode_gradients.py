@@ -25,11 +25,24 @@ def test_alignment_figures_by_hand():
     assert got["sgd_step_ratio"] == pytest.approx(-1 / 5.25)
     # |(0, −3, 0.5)| / |(1, −0.5, 0.25)|
     assert got["differential_share"] == pytest.approx(math.sqrt(9.25) / math.sqrt(1.3125))
+    # a step along d = g_r − g_o = (0, −3, 0.5), m = (1, −0.5, 0.25): sign d = (0, −1, 1),
+    # ⟨m, sign d⟩ = 0.75 against ⟨d, sign d⟩ = 3.5; ⟨m, d⟩ = 1.625 against |d|² = 9.25
+    assert got["differential_sign_shared_per_gap"] == pytest.approx(0.75 / 3.5)
+    assert got["differential_sgd_shared_per_gap"] == pytest.approx(1.625 / 9.25)
+
+
+def test_a_differential_orthogonal_to_the_shared_part_leaves_the_shared_level():
+    # m = (1, 0), d = (0, 2): the gap opens and the shared level stays, for either step
+    got = gradient_alignment(torch.tensor([1.0, 1.0]), torch.tensor([1.0, -1.0]))
+    assert got["differential_sign_shared_per_gap"] == pytest.approx(0.0)
+    assert got["differential_sgd_shared_per_gap"] == pytest.approx(0.0)
 
 
 def test_one_shared_gradient_gives_ratio_one_and_no_differential():
     g = torch.tensor([0.3, -0.1, 2.0, 0.0])
     got = gradient_alignment(g, g.clone())
+    no_gap = {k: got.pop(k) for k in ("differential_sign_shared_per_gap", "differential_sgd_shared_per_gap")}
+    assert no_gap == {"differential_sign_shared_per_gap": None, "differential_sgd_shared_per_gap": None}
     assert got == pytest.approx({"cosine": 1.0, "sign_step_ratio": 1.0, "sgd_step_ratio": 1.0, "differential_share": 0.0})
 
 
@@ -48,9 +61,12 @@ finite = st.floats(-10, 10, allow_nan=False, width=32)
 def test_alignment_is_scale_free_and_bounded(pairs, scale):
     g_r = torch.tensor([a for a, _ in pairs], dtype=torch.float64)  # float64: scaling rounds nothing
     g_o = torch.tensor([b for _, b in pairs], dtype=torch.float64)
-    if not torch.any(g_r != 0) or not torch.any(g_o != 0) or not torch.any(g_r + g_o != 0):
+    if not torch.any(g_r != 0) or not torch.any(g_o != 0) or not torch.any(g_r + g_o != 0) or torch.equal(g_r, g_o):
         return
     got = gradient_alignment(g_r, g_o)
+    swapped = gradient_alignment(g_o, g_r)  # d changes sign, m does not: the shared move per unit of gap flips
+    for key in ("differential_sign_shared_per_gap", "differential_sgd_shared_per_gap"):
+        assert swapped[key] == pytest.approx(-got[key], rel=1e-9, abs=1e-12)
     scaled = gradient_alignment(scale * g_r, scale * g_o)  # the same policy at another lr scale
     assert scaled == pytest.approx(got, rel=1e-6, abs=1e-9)
     assert -1 - 1e-9 <= got["cosine"] <= 1 + 1e-9

@@ -12,7 +12,15 @@ the gradients of z at the held-out probes' mode slots (``experiments.recipe.rout
   for AdamW's early, sign-like step u = sign(g_rewarded):  ⟨g_other, u⟩ / ⟨g_rewarded, u⟩;
 * ``sgd_step_ratio``: the same for a plain gradient step u = g_rewarded:  ⟨g_other, g_rewarded⟩ / |g_rewarded|²;
 * ``differential_share``: |g_rewarded − g_other| / |(g_rewarded + g_other) / 2|, the size of the
-  part of the gradient that tells the types apart, against the part they share.
+  part of the gradient that tells the types apart, against the part they share;
+* ``differential_sign_shared_per_gap``: for a step along the part that tells the types apart,
+  d = g_rewarded − g_other (what a credit centred per route gives the slot, e.g.
+  ``learner.loss.mode_pg_centring: route``), how far the level both types share,
+  z̄ = (z_rewarded + z_other) / 2, moves per unit of gap z_rewarded − z_other it opens, for AdamW's
+  sign-like step u = sign(d):  ⟨m, u⟩ / ⟨d, u⟩ with m = (g_rewarded + g_other) / 2;
+* ``differential_sgd_shared_per_gap``: the same for a plain gradient step u = d:  ⟨m, d⟩ / |d|².
+  Both are None when d = 0 (no step opens a gap). Far from 0, a credit that is right for each
+  type still moves the shared level more than the gap.
 
 A ratio near 1 means the types cannot be moved apart by the updates RL makes on either alone:
 the reward must push the two types in opposite directions with nearly equal weight in the same
@@ -30,7 +38,9 @@ on the RL steps that could split the route at that learning rate.
     python -m experiments.studies.mode_gradients --task /tmp/routing --heldout 48 POLICY [POLICY ...]
 
 ``--task`` is an ``experiments.studies.routing --out`` folder (its world and index are reused, with the
-same ``--world-seed``, ``--entities``, ``--questions`` and ``--heldout``); a POLICY is a model spec,
+same ``--world-seed``, ``--entities``, ``--questions`` and ``--heldout`` or ``--heldout-per-type``;
+``--kind-cues``, the study's ``--sft-kind-cues``, opens each probe's thought with its type's cue,
+as the study's own probes do); a POLICY is a model spec,
 an HF folder, a checkpoint or a run folder (its last checkpoint). One JSON line per policy.
 """
 
@@ -65,11 +75,18 @@ def gradient_alignment(g_rewarded, g_other) -> dict:
     if not torch.any(g_r != 0):
         raise ValueError("the rewarded type's gradient is zero: no step direction to compare against")
     sign = torch.sign(g_r)  # AdamW's first bias-corrected step: m̂/√v̂ = g/|g| per parameter
+    shared, gap = (g_r + g_o) / 2, g_r - g_o  # m: how z̄ moves, d: how z_r − z_o moves, per unit step
+    gap_sign = torch.sign(gap)
+    opens_gap = bool(torch.any(gap != 0))
     return {
         "cosine": float(torch.dot(g_r, g_o) / (g_r.norm() * g_o.norm())),
         "sign_step_ratio": float(torch.dot(g_o, sign) / torch.dot(g_r, sign)),  # ⟨g_o, u⟩ / ⟨g_r, u⟩
         "sgd_step_ratio": float(torch.dot(g_o, g_r) / torch.dot(g_r, g_r)),  # ⟨g_o, g_r⟩ / |g_r|²
-        "differential_share": float((g_r - g_o).norm() / ((g_r + g_o) / 2).norm()),
+        "differential_share": float(gap.norm() / shared.norm()),
+        # ⟨m, sign d⟩ / ⟨d, sign d⟩ and ⟨m, d⟩ / |d|²: the shared level's move per unit of gap
+        "differential_sign_shared_per_gap": (float(torch.dot(shared, gap_sign) / torch.dot(gap, gap_sign))
+                                             if opens_gap else None),
+        "differential_sgd_shared_per_gap": float(torch.dot(shared, gap) / torch.dot(gap, gap)) if opens_gap else None,
     }
 
 
@@ -160,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--entities", type=int, default=300)
     p.add_argument("--questions", type=int, default=400)
     p.add_argument("--heldout", type=int, default=64)
+    p.add_argument("--heldout-per-type", type=int, default=0,
+                   help="the study's --heldout-per-type: that many held-out questions of each type (0: --heldout)")
+    p.add_argument("--kind-cues", default="", metavar="KIND=SENTENCE;...",
+                   help="the study's --sft-kind-cues: each probe's thought opens with its type's cue")
     p.add_argument("--per-type", type=int, default=16, help="held-out probes per question type")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--split-steps", type=int, default=0,
@@ -184,11 +205,12 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     task = build_task(Path(args.task), seed=args.world_seed, entities=args.entities, questions=args.questions,
-                      heldout=args.heldout, show_progress=False)
+                      heldout=args.heldout, show_progress=False, heldout_per_type=args.heldout_per_type)
     tokenizer = load_policy_tokenizer("smollm2-135m")
     retriever = Retriever.load(task.index_dir)
-    probes = mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.per_type)
-    train_probes = (mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.train_per_type, split="train")
+    probes = mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.per_type, kind_cues=args.kind_cues)
+    train_probes = (mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.train_per_type, split="train",
+                                kind_cues=args.kind_cues)
                     if args.split_steps else {})  # golden episodes cost retrieval: only when they are trained on
     for spec in args.policies:
         started = time.perf_counter()
