@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.studies.mode_gradients import gradient_alignment, mean_mode_gradient, mode_gradient_alignment
+from experiments.studies.mode_gradients import (gradient_alignment, gradient_spread, mean_mode_gradient, mode_gradient_alignment,
+                                                mode_gradient_moments, spread_along, spread_figures)
 from experiments.recipe.routing import graph_preference, mode_logit, mode_logits, mode_slot_tokens, routing_accuracy
 
 
@@ -72,6 +73,32 @@ def test_alignment_is_scale_free_and_bounded(pairs, scale):
     assert -1 - 1e-9 <= got["cosine"] <= 1 + 1e-9
     # the rewarded type moves itself by exactly its own step
     assert gradient_alignment(g_r, g_r)["sign_step_ratio"] == pytest.approx(1.0)
+
+
+def test_spread_figures_by_hand():
+    # examples (3, 0) and (1, 0): mean (2, 0), E|g|² = (9 + 1) / 2 = 5, spread √(5 − 4) = 1
+    assert gradient_spread(torch.tensor([2.0, 0.0]), 5.0) == pytest.approx(1.0)
+    assert gradient_spread(torch.tensor([2.0, 0.0]), 4.0) == 0.0  # every example the same
+    # spreads 3 and 4 against |d| = 2, batches of 25 a type: √((9 + 16) / 25) / 2 = 0.5
+    got = spread_figures(3.0, 4.0, 2.0, 25)
+    assert got["spread_over_gap"] == pytest.approx({"graph_only": 1.5, "direct": 2.0})
+    assert got["gap_error_over_gap"] == pytest.approx(0.5)
+    assert spread_figures(3.0, 4.0, 0.0, 25) == {"spread_over_gap": {"graph_only": None, "direct": None},
+                                                  "gap_error_over_gap": None}
+    with pytest.raises(ValueError, match="batch_per_type"):
+        spread_figures(3.0, 4.0, 2.0, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(finite, min_size=3, max_size=3), min_size=1, max_size=8), st.integers(1, 64))
+def test_spread_is_the_examples_rms_distance_from_their_mean(rows, batch):
+    g = torch.tensor(rows, dtype=torch.float64)
+    mean, squared = g.mean(0), float(g.square().sum(1).mean())
+    expected = math.sqrt(float((g - mean).square().sum(1).mean()))
+    assert gradient_spread(mean, squared) == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    # a bigger batch averages the spread down as 1/√n
+    one, many = spread_figures(1.0, 2.0, 1.0, 1), spread_figures(1.0, 2.0, 1.0, batch)
+    assert many["gap_error_over_gap"] == pytest.approx(one["gap_error_over_gap"] / math.sqrt(batch))
 
 
 def _example(tokenizer, question: str, thought: str) -> dict:
@@ -168,8 +195,38 @@ def test_alignment_of_two_types_on_a_real_model(tiny):
     assert set(apart["p_graph"]) == {"graph_only", "direct"} and all(0 < p < 1 for p in apart["p_graph"].values())
     p_graph = {kind: graph_preference(model, tokenizer, examples) for kind, examples in probes.items()}
     assert apart["routing_accuracy"] == routing_accuracy(p_graph)  # the probes' own reading
+    assert same["gap_error_over_gap"] is None and apart["gap_error_over_gap"] > 0
     with pytest.raises(ValueError, match="direct"):
         mode_gradient_alignment(model, tokenizer, {"graph_only": probes["graph_only"]})
+
+
+def test_moments_hold_each_example_s_own_squared_norm(tiny):
+    """The mean squared norm the spread reads is that of each example's own gradient: an
+    implementation that squared the running sum, or the mean, fails this."""
+    model, tokenizer, probes = tiny
+    examples = probes["graph_only"]
+    mean, squared, _ = mode_gradient_moments(model, tokenizer, examples)
+    alone = [mean_mode_gradient(model, tokenizer, [example])[0].double() for example in examples]
+    assert squared == pytest.approx(sum(float(g.square().sum()) for g in alone) / len(alone), rel=1e-5)
+    expected = math.sqrt(sum(float((g - mean.double()).square().sum()) for g in alone) / len(alone))
+    assert expected > 0 and gradient_spread(mean, squared) == pytest.approx(expected, rel=1e-3)
+    # along one direction: the examples' offsets from their mean projected on it
+    direction = alone[0] + 0.5 * alone[1]
+    unit = direction / direction.norm()
+    by_hand = math.sqrt(sum(float(torch.dot(g - mean.double(), unit)) ** 2 for g in alone) / len(alone))
+    assert spread_along(model, tokenizer, examples, mean, direction) == pytest.approx(by_hand, rel=1e-4)
+    assert spread_along(model, tokenizer, examples, mean, 3 * direction) == pytest.approx(by_hand, rel=1e-4)
+
+
+def test_the_spread_along_the_shared_part_is_reported_on_request(tiny):
+    model, tokenizer, probes = tiny
+    plain = mode_gradient_alignment(model, tokenizer, probes)
+    along = mode_gradient_alignment(model, tokenizer, probes, along_shared=True)
+    assert "spread_along_shared_over_gap" not in plain
+    figures = along["spread_along_shared_over_gap"]
+    assert set(figures) == {"graph_only", "direct"}
+    # a part of a spread is no larger than the whole
+    assert all(0 <= figures[k] <= along["spread_over_gap"][k] * (1 + 1e-6) for k in figures)
 
 
 def test_an_example_without_a_mode_slot_is_named(tiny):

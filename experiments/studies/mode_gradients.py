@@ -21,6 +21,13 @@ the gradients of z at the held-out probes' mode slots (``experiments.recipe.rout
 * ``differential_sgd_shared_per_gap``: the same for a plain gradient step u = d:  ⟨m, d⟩ / |d|².
   Both are None when d = 0 (no step opens a gap). Far from 0, a credit that is right for each
   type still moves the shared level more than the gap.
+* ``spread_over_gap``: per type, how far one probe's gradient lies from its type's mean (root
+  mean square), in units of |d|; ``gap_error_over_gap``: the standard error of d estimated from
+  ``--batch-per-type`` examples of each type, in units of |d|. Above 1, a training batch of that
+  size mostly sees its examples' own variation, not the type difference.
+* ``spread_along_shared_over_gap`` (``--along-shared``): per type, the part of that spread that
+  lies along m, in units of |d|. A credit centred per route cancels the batch's mean gradient,
+  not this part: with few credited episodes a type, it moves the shared level.
 
 A ratio near 1 means the types cannot be moved apart by the updates RL makes on either alone:
 the reward must push the two types in opposite directions with nearly equal weight in the same
@@ -93,34 +100,94 @@ def gradient_alignment(g_rewarded, g_other) -> dict:
 def mean_mode_gradient(model, tokenizer, examples: list[dict]):
     """Mean over ``examples`` of d z / d θ (z: ``mode_logit``), flattened over the trainable
     parameters, and the per-example z values."""
+    mean, _, logits = mode_gradient_moments(model, tokenizer, examples)
+    return mean, logits
+
+
+def example_mode_gradients(model, tokenizer, examples: list[dict]):
+    """Each example's d z / d θ, flattened over the trainable parameters, with its z: one at a
+    time (a 135M model's gradient is 0.5 GB)."""
     if not examples:
         raise ValueError("no examples to take the mode gradient of")
     slot, continuations = mode_slot_tokens(tokenizer)
     params = [p for p in model.parameters() if p.requires_grad]
-    total, logits = None, []
     model.eval()  # no dropout: the gradient of the policy the evaluation reads
-    for example in examples:
+    try:
+        for example in examples:
+            model.zero_grad(set_to_none=True)
+            z = mode_logit(model, example, slot, continuations)
+            z.backward()
+            yield torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]), float(z.detach())
+    finally:
         model.zero_grad(set_to_none=True)
-        z = mode_logit(model, example, slot, continuations)
-        z.backward()
-        logits.append(float(z.detach()))
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params])
-        total = flat if total is None else total.add_(flat)  # one running sum: a 135M model's gradient is 0.5 GB
-    model.zero_grad(set_to_none=True)
-    return total / len(examples), logits
 
 
-def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]]) -> dict:
-    """``gradient_alignment`` of the two types' mean mode gradients, with each type's mean p(graph)
-    and the probes' ``routing_accuracy``."""
+def mode_gradient_moments(model, tokenizer, examples: list[dict]):
+    """``mean_mode_gradient``'s mean and z values, with the mean over ``examples`` of |d z / d θ|²
+    between them (for ``gradient_spread``)."""
+    total, squared, logits = None, 0.0, []
+    for flat, z in example_mode_gradients(model, tokenizer, examples):
+        logits.append(z)
+        squared += float(flat.double().square().sum())
+        total = flat if total is None else total.add_(flat)  # one running sum
+    return total / len(examples), squared / len(examples), logits
+
+
+def spread_along(model, tokenizer, examples: list[dict], mean, direction) -> float:
+    """The part of ``gradient_spread`` along ``direction``: √(E⟨g_i − mean, u⟩²), u = direction / |direction|
+    (a second pass over the examples' gradients)."""
+    unit = direction.double() / direction.double().norm()
+    offsets = [float(torch.dot(flat.double() - mean.double(), unit)) for flat, _ in example_mode_gradients(model, tokenizer, examples)]
+    return math.sqrt(statistics.fmean(o * o for o in offsets))
+
+
+def gradient_spread(mean, mean_squared_norm: float) -> float:
+    """How far one example's gradient lies from its type's mean, root-mean-square over the examples:
+    √(E|g_i|² − |E g_i|²) (0 when every example has the same gradient)."""
+    return math.sqrt(max(mean_squared_norm - float(mean.double().square().sum()), 0.0))
+
+
+def spread_figures(spread_rewarded: float, spread_other: float, gap_norm: float, batch_per_type: int) -> dict:
+    """The examples' spread against the gap between the type means, |d| = |g_rewarded − g_other|:
+
+    * ``spread_over_gap``: each type's ``gradient_spread`` / |d|;
+    * ``gap_error_over_gap``: the standard error of the difference of two type means of
+      ``batch_per_type`` examples each, √((s_r² + s_o²) / n) / |d|. Above 1, a batch of that size
+      cannot tell the direction d from its examples' own variation.
+
+    None where d = 0."""
+    if batch_per_type < 1:
+        raise ValueError(f"batch_per_type must be at least 1, got {batch_per_type}")
+    if gap_norm == 0:
+        return {"spread_over_gap": {REWARDED: None, OTHER: None}, "gap_error_over_gap": None}
+    error = math.sqrt((spread_rewarded ** 2 + spread_other ** 2) / batch_per_type)
+    return {"spread_over_gap": {REWARDED: spread_rewarded / gap_norm, OTHER: spread_other / gap_norm},
+            "gap_error_over_gap": error / gap_norm}
+
+
+def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]], batch_per_type: int = 16,
+                            along_shared: bool = False) -> dict:
+    """``gradient_alignment`` of the two types' mean mode gradients and the probes' ``spread_figures``
+    (for batches of ``batch_per_type`` examples a type), with each type's mean p(graph) and the
+    probes' ``routing_accuracy``; with ``along_shared``, also each type's ``spread_along`` the
+    shared part m, over |d| (``spread_along_shared_over_gap``; a second pass over the probes)."""
     missing = {REWARDED, OTHER} - set(probes)
     if missing:
         raise ValueError(f"probes lack question type(s) {sorted(missing)}; have {sorted(probes)}")
-    grads, p_graph = {}, {}
+    grads, spreads, p_graph = {}, {}, {}
     for kind in (REWARDED, OTHER):
-        grads[kind], logits = mean_mode_gradient(model, tokenizer, probes[kind])
+        grads[kind], squared, logits = mode_gradient_moments(model, tokenizer, probes[kind])
+        spreads[kind] = gradient_spread(grads[kind], squared)
         p_graph[kind] = [1 / (1 + math.exp(-z)) for z in logits]  # sigmoid(z)
+    gap_norm = float((grads[REWARDED].double() - grads[OTHER].double()).norm())
+    along = {}
+    if along_shared and gap_norm > 0:  # how much of each type's spread lies along m, in units of |d|
+        shared = (grads[REWARDED] + grads[OTHER]) / 2
+        along = {"spread_along_shared_over_gap": {kind: spread_along(model, tokenizer, probes[kind], grads[kind], shared) / gap_norm
+                                                  for kind in (REWARDED, OTHER)}}
     return {**gradient_alignment(grads[REWARDED], grads[OTHER]),
+            **spread_figures(spreads[REWARDED], spreads[OTHER], gap_norm, batch_per_type), "batch_per_type": batch_per_type,
+            **along,
             "p_graph": {kind: statistics.fmean(p) for kind, p in p_graph.items()},
             "routing_accuracy": routing_accuracy(p_graph), "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
 
@@ -183,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the study's --sft-kind-cues: each probe's thought opens with its type's cue")
     p.add_argument("--per-type", type=int, default=16, help="held-out probes per question type")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--along-shared", action="store_true",
+                   help="also measure how much of each type's spread lies along the shared part (a second pass)")
+    p.add_argument("--batch-per-type", type=int, default=16,
+                   help="episodes of each type in a training batch, for gap_error_over_gap (default 16: issue #64's pilots)")
     p.add_argument("--split-steps", type=int, default=0,
                    help="then train each policy this many steps on the type-right mode (0: gradients only)")
     p.add_argument("--split-lr", type=float, default=2e-5, help="AdamW learning rate of --split-steps")
@@ -216,7 +287,8 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         model = load_policy(resolve_policy(spec))[0]
         if not args.no_alignment:
-            result = mode_gradient_alignment(model, tokenizer, probes)
+            result = mode_gradient_alignment(model, tokenizer, probes, batch_per_type=args.batch_per_type,
+                                             along_shared=args.along_shared)
             print(json.dumps({"policy": spec, **result, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
         if args.split_steps:
             for record in supervised_split(model, tokenizer, train_probes, probes, args.split_steps, args.split_lr,
