@@ -27,7 +27,7 @@ the gradients of z at the held-out probes' mode slots (``experiments.recipe.rout
   size mostly sees its examples' own variation, not the type difference.
 * ``spread_along_shared_over_gap`` (``--along-shared``): per type, the part of that spread that
   lies along m, in units of |d|. A credit centred per route cancels the batch's mean gradient,
-  not this part: with few credited episodes a type, it moves the shared level.
+  not this part, so where it is large, a few credited episodes a type can move the shared level.
 
 A ratio near 1 means the types cannot be moved apart by the updates RL makes on either alone:
 the reward must push the two types in opposite directions with nearly equal weight in the same
@@ -117,7 +117,8 @@ def example_mode_gradients(model, tokenizer, examples: list[dict]):
             model.zero_grad(set_to_none=True)
             z = mode_logit(model, example, slot, continuations)
             z.backward()
-            yield torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]), float(z.detach())
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params])
+            yield flat, float(z.detach())
     finally:
         model.zero_grad(set_to_none=True)
 
@@ -137,7 +138,8 @@ def spread_along(model, tokenizer, examples: list[dict], mean, direction) -> flo
     """The part of ``gradient_spread`` along ``direction``: √(E⟨g_i − mean, u⟩²), u = direction / |direction|
     (a second pass over the examples' gradients)."""
     unit = direction.double() / direction.double().norm()
-    offsets = [float(torch.dot(flat.double() - mean.double(), unit)) for flat, _ in example_mode_gradients(model, tokenizer, examples)]
+    offsets = [float(torch.dot(flat.double() - mean.double(), unit))
+               for flat, _ in example_mode_gradients(model, tokenizer, examples)]
     return math.sqrt(statistics.fmean(o * o for o in offsets))
 
 
@@ -183,11 +185,11 @@ def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]], bat
     along = {}
     if along_shared and gap_norm > 0:  # how much of each type's spread lies along m, in units of |d|
         shared = (grads[REWARDED] + grads[OTHER]) / 2
-        along = {"spread_along_shared_over_gap": {kind: spread_along(model, tokenizer, probes[kind], grads[kind], shared) / gap_norm
-                                                  for kind in (REWARDED, OTHER)}}
+        along = {"spread_along_shared_over_gap": {
+            kind: spread_along(model, tokenizer, probes[kind], grads[kind], shared) / gap_norm for kind in (REWARDED, OTHER)}}
     return {**gradient_alignment(grads[REWARDED], grads[OTHER]),
-            **spread_figures(spreads[REWARDED], spreads[OTHER], gap_norm, batch_per_type), "batch_per_type": batch_per_type,
-            **along,
+            **spread_figures(spreads[REWARDED], spreads[OTHER], gap_norm, batch_per_type),
+            "batch_per_type": batch_per_type, **along,
             "p_graph": {kind: statistics.fmean(p) for kind, p in p_graph.items()},
             "routing_accuracy": routing_accuracy(p_graph), "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
 
