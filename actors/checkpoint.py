@@ -7,10 +7,10 @@ safetensors + JSON.
 * ``save_learner_state(learner, out_dir)`` / ``load_learner_state(learner, in_dir)`` write and
   restore what an exact resume needs from the learner: for every trainable weight, in HF names
   and *unpartitioned*, its fp32 master value and AdamW's ``exp_avg`` / ``exp_avg_sq``; plus the
-  AdamW step, the param-group hyperparameters (for the record: on resume the config's win) and
-  the learner's weight version (which also seeds the mini-batch shuffling) in
-  ``learner_state.json``. Because the state is stored whole, a run
-  can resume with another ZeRO stage or another number of learners.
+  AdamW step, the trainer step of its last reset (``reset_adam_state``), the param-group
+  hyperparameters (for the record: on resume the config's win) and the learner's weight version
+  (which also seeds the mini-batch shuffling) in ``learner_state.json``. Because the state is
+  stored whole, a run can resume with another ZeRO stage or another number of learners.
 
 No pickle anywhere (DeepSpeed's own ``save_checkpoint`` uses ``torch.save``). Under ZeRO-3 every
 rank must call these functions together (parameters are gathered collectively); rank 0 writes,
@@ -74,6 +74,19 @@ def _ensure_adam_state(learner) -> None:
         link()
 
 
+def reset_adam_state(learner) -> None:
+    """Zero AdamW's moments and step count in place: the next ``step()`` is a fresh optimizer's
+    first (moments of that one gradient, bias correction at step 1). Weights and hyperparameters
+    stay. Under ZeRO the torch optimizer's state lives on flat fp32 partitions; zeroing them in
+    place keeps DeepSpeed's links to those tensors."""
+    for state in _base_optimizer(learner).state.values():
+        for key in _MOMENTS:
+            if torch.is_tensor(state.get(key)):
+                state[key].zero_()
+        if "step" in state:
+            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
+
+
 def save_policy_hf(learner, out_dir: str | Path) -> Path | None:
     """Write the current policy as an HF directory (rank 0); returns the path there, ``None`` elsewhere."""
     from transformers import AutoModelForCausalLM
@@ -127,6 +140,7 @@ def save_learner_state(learner, out_dir: str | Path) -> Path | None:
     meta = {
         "version": int(learner.version),
         "adam_step": _adam_step(learner),
+        "optimizer_reset_at": learner.optimizer_reset_at,
         "zero_stage": int(learner.config.zero_stage),
         "world_size": int(learner.world_size),
         "param_groups": [
@@ -198,7 +212,9 @@ def load_learner_state(learner, in_dir: str | Path) -> dict:
         log.warning("resuming from %s with the config's optimizer hyperparameters, not the saved ones: %s", src, changed)
     meta["changed_hyperparameters"] = changed
     learner.version = int(meta["version"])
+    learner.optimizer_reset_at = meta.get("optimizer_reset_at")  # a state saved before the reset existed: None
     return meta
 
 
-__all__ = ["OPTIMIZER_FILE", "STATE_FILE", "load_learner_state", "save_learner_state", "save_policy_hf"]
+__all__ = ["OPTIMIZER_FILE", "STATE_FILE", "load_learner_state", "reset_adam_state", "save_learner_state",
+           "save_policy_hf"]

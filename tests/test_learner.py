@@ -457,6 +457,45 @@ def test_a_resumed_learner_trains_at_its_configs_lr_not_the_saved_one(stage_runs
         torch.testing.assert_close(steps[2 * saved_lr][name], 2 * steps[saved_lr][name], rtol=1e-3, atol=1e-3 * scale)
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_reset_at_step_makes_the_next_update_a_fresh_optimizers_first(stage_runs, batch, tmp_path, zero_stage):
+    """``optimizer.reset_at_step``: a learner resumed from a checkpoint with AdamW moments takes, at
+    that step, the very step a new learner on the same weights takes (eps = 1e-8: Adam's first step
+    is about lr per weight, whatever the gradient's size), where one that keeps the moments does
+    not; the reset is checkpointed, so a learner resumed after it keeps its moments, and an update
+    first seen after the reset's step still resets (the step it was due at had no update)."""
+    stage_runs["plain"].save_checkpoint(str(tmp_path / "trained"))  # trained: non-zero moments
+    adam = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}
+
+    def step_of(learner, step: int) -> tuple[dict, float]:
+        before = snapshot(learner)
+        reset = learner.update(batch, step=step)["optimizer_reset"]
+        return {n: t - before[n] for n, t in snapshot(learner).items()}, reset
+
+    def resumed(**optimizer) -> Learner:
+        learner = Learner(config(zero_stage=zero_stage, micro_batch_size=2, optimizer={**adam, **optimizer}))
+        assert learner.load_checkpoint(str(tmp_path / "trained"))["adam_step"] > 0
+        return learner
+
+    fresh, fresh_reset = step_of(Learner(config(model=str(tmp_path / "trained" / "policy"), zero_stage=zero_stage,
+                                                micro_batch_size=2, optimizer=adam)), 1)
+    reset_learner = resumed(reset_at_step=1)
+    after_reset, reset = step_of(reset_learner, 1)
+    kept, kept_reset = step_of(resumed(), 1)
+    assert (fresh_reset, reset, kept_reset) == (0.0, 1.0, 0.0)
+    for name in WATCHED:
+        scale = float(fresh[name].abs().max())
+        assert scale > 0.1 * adam["lr"]
+        torch.testing.assert_close(after_reset[name], fresh[name], rtol=1e-4, atol=1e-4 * scale)
+        assert float((kept[name] - fresh[name]).abs().max()) > 0.1 * scale, name
+
+    reset_learner.save_checkpoint(str(tmp_path / "reset"))
+    again = Learner(config(zero_stage=zero_stage, micro_batch_size=2, optimizer={**adam, "reset_at_step": 1}))
+    assert again.load_checkpoint(str(tmp_path / "reset"))["optimizer_reset_at"] == 1
+    assert step_of(again, 2)[1] == 0.0  # resumed after its reset: the moments stay
+    assert step_of(resumed(reset_at_step=1), 3)[1] == 1.0  # due at step 1, first update at step 3
+
+
 def test_lora_learner_trains_only_adapters_and_syncs_merged_weights(tiny_model, batch):
     MODEL["path"] = tiny_model
     with pytest.raises(ValueError, match="LoRA with ZeRO-3"):

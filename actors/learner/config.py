@@ -25,6 +25,11 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    # Start AdamW afresh before the update of this trainer step (counted from 0): its moments and
+    # step count are zeroed once, so the next step is a fresh optimizer's first. A second stage
+    # that resumes the first's checkpoint (the routing study's stage 2) would otherwise inherit the
+    # first stage's momentum along with its weights. None: never.
+    reset_at_step: int | None = None
 
 
 @dataclass

@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from actors.checkpoint import load_learner_state, save_learner_state, save_policy_hf
+from actors.checkpoint import load_learner_state, reset_adam_state, save_learner_state, save_policy_hf
 from actors.learner.batches import micro_pieces, position_ids, trained_positions
 from actors.learner.config import LearnerConfig
 from actors.learner.distributed import (
@@ -97,6 +97,7 @@ class Learner:
         self.policy_loss = PolicyLoss(self.config.loss)  # the loss terms, by name (unknown names fail here)
         self.rank, self.world_size = int(rank), int(world_size)
         self.version = 0  # bumped after every update(); rollouts record it
+        self.optimizer_reset_at: int | None = None  # the optimizer.reset_at_step done (checkpointed)
         self.engine = None
         self.reference = None
         self._sync_group = None
@@ -401,6 +402,7 @@ class Learner:
         pi_old.measure(batch)
         self._correct_for_the_rollout(batch, pi_old)
         self._frozen_model_passes(batch, log)  # what the loss terms need of the reference model
+        reset = self._reset_optimizer_if_due(step)
         self._tokens_computed = self._tokens_padded = 0  # count the training forwards only
 
         self.engine.train()
@@ -436,6 +438,7 @@ class Learner:
             **self.policy_loss.summarize(log.totals, cfg.ppo_epochs),
             optimizer_steps=float(cfg.ppo_epochs * (n // per_rank)), old_logprobs_recomputed=float(pi_old.recomputed),
             lr=float(self.optimizer.param_groups[0]["lr"]), weight_version=float(self.version),
+            optimizer_reset=float(reset),
         )
         # The step's activations and gradients are freed, but glibc keeps their pages: on CPU a
         # SmolLM2-135M learner grew from 2.6 GB to 9.7 GB over two steps of 16 x 500 tokens
@@ -568,6 +571,17 @@ class Learner:
             rollout_is_weights=(mb.rollout_is_weights.to(device, torch.float32)
                                 if mb.rollout_is_weights is not None else None),
         )
+
+    def _reset_optimizer_if_due(self, step: int) -> bool:
+        """``optimizer.reset_at_step``: AdamW starts afresh before the first update at or after
+        that step, once (the reset is checkpointed, so a run resumed past it does not reset again;
+        an update skipped at that step moves the reset to the next one)."""
+        at = self.config.optimizer.reset_at_step
+        if at is None or step < at or self.optimizer_reset_at == at:
+            return False
+        reset_adam_state(self)
+        self.optimizer_reset_at = at
+        return True
 
     def _optimizer_step(self, boundary: bool, log: UpdateLog) -> None:
         """``engine.step()`` (the update itself at the GA boundary) and the gradient norm there."""
