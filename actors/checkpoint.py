@@ -6,7 +6,8 @@ safetensors + JSON.
   as a raggym model spec (a local directory).
 * ``save_learner_state(learner, out_dir)`` / ``load_learner_state(learner, in_dir)`` write and
   restore what an exact resume needs from the learner: for every trainable weight, in HF names
-  and *unpartitioned*, its fp32 master value and AdamW's ``exp_avg`` / ``exp_avg_sq``; plus the
+  and *unpartitioned*, its fp32 master value and AdamW's ``exp_avg`` / ``exp_avg_sq`` (SGD keeps
+  none, so its checkpoint holds the weights alone); plus the
   AdamW step, the trainer step of its last reset (``reset_adam_state``), the param-group
   hyperparameters (for the record: on resume the config's win) and the learner's weight version
   (which also seeds the mini-batch shuffling) in ``learner_state.json``. Because the state is
@@ -42,6 +43,11 @@ def _is_zero(learner) -> bool:
 def _base_optimizer(learner):
     """The torch optimizer that owns the Adam state (ZeRO wraps it; stage 0 is the optimizer itself)."""
     return learner.optimizer.optimizer if _is_zero(learner) else learner.optimizer
+
+
+def _moments(learner) -> tuple[str, ...]:
+    """The optimizer state a checkpoint carries per weight: AdamW's two moments; none for SGD."""
+    return _MOMENTS if learner.config.optimizer.name == "adamw" else ()
 
 
 def _adam_step(learner) -> int:
@@ -117,17 +123,18 @@ def save_learner_state(learner, out_dir: str | Path) -> Path | None:
 
     tensors: dict[str, torch.Tensor] = {}
     base = _base_optimizer(learner)
+    moments = _moments(learner)
     for name, param in learner.module.named_parameters():
         if not param.requires_grad:
             continue
         if _is_zero(learner):
             values = {
                 "fp32": safe_get_full_fp32_param(param),
-                **{k: safe_get_full_optimizer_state(param, k) for k in _MOMENTS},
+                **{k: safe_get_full_optimizer_state(param, k) for k in moments},
             }
         else:
             state = base.state.get(param, {})
-            values = {"fp32": param.detach(), **{k: state.get(k) for k in _MOMENTS}}
+            values = {"fp32": param.detach(), **{k: state.get(k) for k in moments}}
         if learner.rank == 0:
             for kind, value in values.items():
                 if value is not None:
@@ -139,6 +146,7 @@ def save_learner_state(learner, out_dir: str | Path) -> Path | None:
     save_file(tensors, str(out / OPTIMIZER_FILE))
     meta = {
         "version": int(learner.version),
+        "optimizer": learner.config.optimizer.name,
         "adam_step": _adam_step(learner),
         "optimizer_reset_at": learner.optimizer_reset_at,
         "zero_stage": int(learner.config.zero_stage),
@@ -154,7 +162,8 @@ def save_learner_state(learner, out_dir: str | Path) -> Path | None:
 
 
 def load_learner_state(learner, in_dir: str | Path) -> dict:
-    """Restore weights, AdamW moments and step and version; returns the metadata.
+    """Restore weights, AdamW moments and step and version; returns the metadata. A learner whose
+    optimizer keeps no moments (``optimizer.name: sgd``) takes the weights and version only.
 
     The hyperparameters (lr, betas, eps, weight decay) stay as this run's config set them; the
     metadata's ``changed_hyperparameters`` lists those that differ from the saved ones.
@@ -166,6 +175,10 @@ def load_learner_state(learner, in_dir: str | Path) -> dict:
     meta = json.loads((src / STATE_FILE).read_text())
     tensors = load_file(str(src / OPTIMIZER_FILE))
     step = int(meta["adam_step"])
+    if step > 0 and not _moments(learner):
+        log.info("%s holds AdamW moments; this learner's %s optimizer has none, so only the weights load",
+                 src, learner.config.optimizer.name)
+        step = 0
     if step > 0:
         _ensure_adam_state(learner)
     base = _base_optimizer(learner)

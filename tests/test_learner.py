@@ -11,12 +11,15 @@ against the rollout engine.
 from __future__ import annotations
 
 import gc
+import json
 import math
 from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from actors.checkpoint import OPTIMIZER_FILE, STATE_FILE
 from actors.learner import (
     Learner,
     LearnerConfig,
@@ -496,6 +499,55 @@ def test_reset_at_step_makes_the_next_update_a_fresh_optimizers_first(stage_runs
     assert step_of(resumed(reset_at_step=1), 3)[1] == 1.0  # due at step 1, first update at step 3
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_an_sgd_learner_resumes_adamw_weights_without_its_moments(stage_runs, batch, tmp_path, zero_stage):
+    """``optimizer.name: sgd`` resumed from an AdamW checkpoint loads the weights and not the
+    moments: its step equals a new SGD learner's on the checkpoint's policy, and is linear in the
+    advantages (halving them halves the step, which AdamW's first step, lr·sign(g), would not). An
+    SGD checkpoint carries no moments, and an AdamW learner resumed from it starts a fresh AdamW."""
+    stage_runs["plain"].save_checkpoint(str(tmp_path / "adamw"))
+    sgd = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0}
+
+    def step_of(learner, train_batch) -> dict:
+        before = snapshot(learner)
+        learner.update(train_batch)
+        return {n: t - before[n] for n, t in snapshot(learner).items()}
+
+    def resumed(optimizer, source) -> Learner:
+        learner = Learner(config(zero_stage=zero_stage, optimizer=optimizer))
+        learner.load_checkpoint(str(tmp_path / source))
+        return learner
+
+    fresh = step_of(Learner(config(model=str(tmp_path / "adamw" / "policy"), zero_stage=zero_stage, optimizer=sgd)), batch)
+    halved = replace(batch, advantages=batch.advantages * 0.5)
+    full, half = step_of(resumed(sgd, "adamw"), batch), step_of(resumed(sgd, "adamw"), halved)
+    for name in WATCHED:
+        scale = float(fresh[name].abs().max())
+        assert scale > 1e-4, name
+        torch.testing.assert_close(full[name], fresh[name], rtol=1e-4, atol=1e-4 * scale)
+        torch.testing.assert_close(half[name], 0.5 * full[name], rtol=1e-3, atol=1e-3 * scale)
+
+    sgd_learner = resumed(sgd, "adamw")
+    sgd_learner.update(batch)
+    sgd_learner.save_checkpoint(str(tmp_path / "sgd"))
+    meta = json.loads((tmp_path / "sgd" / "learner" / STATE_FILE).read_text())
+    assert (meta["optimizer"], meta["adam_step"]) == ("sgd", 0)
+    assert not [k for k in load_file(str(tmp_path / "sgd" / "learner" / OPTIMIZER_FILE)) if not k.startswith("fp32/")]
+    adam_again = resumed({"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}, "sgd")
+    adam_fresh = Learner(config(model=str(tmp_path / "sgd" / "policy"), zero_stage=zero_stage,
+                                optimizer={"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}))
+    again, new = step_of(adam_again, batch), step_of(adam_fresh, batch)
+    for name in WATCHED:
+        torch.testing.assert_close(again[name], new[name], rtol=1e-4, atol=1e-4 * float(new[name].abs().max()))
+
+
+def test_optimizer_config_refuses_an_unknown_name_and_a_reset_for_sgd():
+    with pytest.raises(ValueError, match="adamw"):
+        LearnerConfig.from_dict({"optimizer": {"name": "adam8bit"}})
+    with pytest.raises(ValueError, match="SGD"):
+        LearnerConfig.from_dict({"optimizer": {"name": "sgd", "reset_at_step": 5}})
+
+
 def test_lora_learner_trains_only_adapters_and_syncs_merged_weights(tiny_model, batch):
     MODEL["path"] = tiny_model
     with pytest.raises(ValueError, match="LoRA with ZeRO-3"):
@@ -547,19 +599,23 @@ def test_one_update_raises_logprobs_where_the_advantage_is_positive(tiny_model, 
     gc.collect()
 
 
-def test_a_learner_step_equals_a_plain_torch_step(tiny_model, batch):
-    """One update (zero stage 0, one micro-batch) against AdamW on −Σ A·m·ratio / Σ m, by hand."""
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_learner_step_equals_a_plain_torch_step(tiny_model, batch, optimizer):
+    """One update (zero stage 0, one micro-batch) against torch's AdamW or SGD on
+    −Σ A·m·ratio / Σ m, by hand. SGD's step is lr·g, so its lr is larger for a visible step."""
     from transformers import AutoModelForCausalLM
 
-    lr = 1e-3
-    learner = Learner(_direction_config(tiny_model, lr))
+    lr = 1e-3 if optimizer == "adamw" else 10.0
+    cfg = _direction_config(tiny_model, lr)
+    learner = Learner({**cfg, "optimizer": {**cfg["optimizer"], "name": optimizer}})
     learner.update(replace(batch))
     trained = dict(learner.hf_named_parameters())
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = (torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+           if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=lr))
     logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask).logits.float()
     logprobs = token_logprobs(logits, batch.token_ids)
     mask = batch.loss_mask.clone()
@@ -569,8 +625,10 @@ def test_a_learner_step_equals_a_plain_torch_step(tiny_model, batch):
     loss.backward()
     opt.step()
     reference = dict(model.named_parameters())
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters())
     for name in WATCHED:
         assert torch.allclose(trained[name].float(), reference[name].detach(), atol=1e-5), name
+        assert float((reference[name].detach() - initial[name]).abs().max()) > 1e-4, name  # a step well over atol
     assert any(not torch.equal(reference[name].detach(), p) for name, p in
                AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters() if name in WATCHED)
     del learner

@@ -26,6 +26,7 @@ def test_alignment_figures_by_hand():
     assert got["sgd_step_ratio"] == pytest.approx(-1 / 5.25)
     # |(0, −3, 0.5)| / |(1, −0.5, 0.25)|
     assert got["differential_share"] == pytest.approx(math.sqrt(9.25) / math.sqrt(1.3125))
+    assert (got["differential_norm"], got["shared_norm"]) == pytest.approx((math.sqrt(9.25), math.sqrt(1.3125)))
     # a step along d = g_r − g_o = (0, −3, 0.5), m = (1, −0.5, 0.25): sign d = (0, −1, 1),
     # ⟨m, sign d⟩ = 0.75 against ⟨d, sign d⟩ = 3.5; ⟨m, d⟩ = 1.625 against |d|² = 9.25
     assert got["differential_sign_shared_per_gap"] == pytest.approx(0.75 / 3.5)
@@ -44,7 +45,8 @@ def test_one_shared_gradient_gives_ratio_one_and_no_differential():
     got = gradient_alignment(g, g.clone())
     no_gap = {k: got.pop(k) for k in ("differential_sign_shared_per_gap", "differential_sgd_shared_per_gap")}
     assert no_gap == {"differential_sign_shared_per_gap": None, "differential_sgd_shared_per_gap": None}
-    assert got == pytest.approx({"cosine": 1.0, "sign_step_ratio": 1.0, "sgd_step_ratio": 1.0, "differential_share": 0.0})
+    assert got == pytest.approx({"cosine": 1.0, "sign_step_ratio": 1.0, "sgd_step_ratio": 1.0, "differential_share": 0.0,
+                                 "differential_norm": 0.0, "shared_norm": float(g.norm())})
 
 
 def test_alignment_refuses_what_it_cannot_compare():
@@ -69,6 +71,8 @@ def test_alignment_is_scale_free_and_bounded(pairs, scale):
     for key in ("differential_sign_shared_per_gap", "differential_sgd_shared_per_gap"):
         assert swapped[key] == pytest.approx(-got[key], rel=1e-9, abs=1e-12)
     scaled = gradient_alignment(scale * g_r, scale * g_o)  # the same policy at another lr scale
+    sizes = ("differential_norm", "shared_norm")  # the two sizes scale with the gradient, the ratios do not
+    assert [scaled.pop(k) for k in sizes] == pytest.approx([scale * got.pop(k) for k in sizes], rel=1e-6, abs=1e-9)
     assert scaled == pytest.approx(got, rel=1e-6, abs=1e-9)
     assert -1 - 1e-9 <= got["cosine"] <= 1 + 1e-9
     # the rewarded type moves itself by exactly its own step

@@ -19,8 +19,13 @@ from raggym.models import LoraSettings
 
 @dataclass
 class OptimizerConfig:
-    """``torch.optim.AdamW`` settings."""
+    """The learner's torch optimizer: AdamW (the recipes') or plain SGD."""
 
+    # "sgd": torch.optim.SGD without momentum, θ ← θ − lr·(g + weight_decay·θ): a step proportional
+    # to the gradient, where AdamW's is rescaled per weight (its first step is lr·sign(g)). betas
+    # and eps are AdamW's and unused by SGD (reset_at_step is refused with it); a checkpoint's
+    # AdamW moments are not loaded into SGD (the weights are).
+    name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -30,6 +35,19 @@ class OptimizerConfig:
     # that resumes the first's checkpoint (the routing study's stage 2) would otherwise inherit the
     # first stage's momentum along with its weights. None: never.
     reset_at_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"learner.optimizer.name must be 'adamw' or 'sgd', got {self.name!r}")
+        if self.name == "sgd" and self.reset_at_step is not None:
+            raise ValueError("learner.optimizer.reset_at_step resets AdamW's moments; SGD without momentum has none")
+
+    def build(self, params) -> torch.optim.Optimizer:
+        """The torch optimizer over ``params`` (DeepSpeed wraps it)."""
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.0, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                 weight_decay=self.weight_decay)
 
 
 @dataclass

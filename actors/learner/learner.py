@@ -158,8 +158,7 @@ class Learner:
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = cfg.optimizer
-        optimizer = torch.optim.AdamW(trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        optimizer = cfg.optimizer.build(trainable)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         if self.world_size == 1 and cfg.zero_stage == 0:
             # Alone, the gradient all-reduce only copies every gradient into flat buckets and back.

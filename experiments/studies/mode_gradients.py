@@ -12,7 +12,9 @@ the gradients of z at the held-out probes' mode slots (``experiments.recipe.rout
   for AdamW's early, sign-like step u = sign(g_rewarded):  ⟨g_other, u⟩ / ⟨g_rewarded, u⟩;
 * ``sgd_step_ratio``: the same for a plain gradient step u = g_rewarded:  ⟨g_other, g_rewarded⟩ / |g_rewarded|²;
 * ``differential_share``: |g_rewarded − g_other| / |(g_rewarded + g_other) / 2|, the size of the
-  part of the gradient that tells the types apart, against the part they share;
+  part of the gradient that tells the types apart, against the part they share; the two sizes
+  themselves are ``differential_norm`` |d| and ``shared_norm`` |m| (d and m below), in logit per
+  unit of L2 parameter step, which is what sizes a plain gradient step's learning rate;
 * ``differential_sign_shared_per_gap``: for a step along the part that tells the types apart,
   d = g_rewarded − g_other (what a credit centred per route gives the slot, e.g.
   ``learner.loss.mode_pg_centring: route``), how far the level both types share,
@@ -90,6 +92,10 @@ def gradient_alignment(g_rewarded, g_other) -> dict:
         "sign_step_ratio": float(torch.dot(g_o, sign) / torch.dot(g_r, sign)),  # ⟨g_o, u⟩ / ⟨g_r, u⟩
         "sgd_step_ratio": float(torch.dot(g_o, g_r) / torch.dot(g_r, g_r)),  # ⟨g_o, g_r⟩ / |g_r|²
         "differential_share": float(gap.norm() / shared.norm()),
+        # |d| and |m|: a plain step of L2 size s along d opens the gap by s·|d| (to first order),
+        # so these size an SGD learning rate; the shared part's move per unit L2 along m is |m|
+        "differential_norm": float(gap.norm()),
+        "shared_norm": float(shared.norm()),
         # ⟨m, sign d⟩ / ⟨d, sign d⟩ and ⟨m, d⟩ / |d|²: the shared level's move per unit of gap
         "differential_sign_shared_per_gap": (float(torch.dot(shared, gap_sign) / torch.dot(gap, gap_sign))
                                              if opens_gap else None),
