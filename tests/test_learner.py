@@ -79,6 +79,13 @@ def snapshot(learner: Learner, names=WATCHED) -> dict[str, torch.Tensor]:
     return {n: t for n, t in learner.hf_named_parameters() if names is None or n in names}
 
 
+def weight_step(learner: Learner, batch, step: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+    """One ``update``: how far each watched weight moved, and the update's metrics."""
+    before = snapshot(learner)
+    metrics = learner.update(batch, step=step)
+    return {n: t - before[n] for n, t in snapshot(learner).items()}, metrics
+
+
 MODEL = {"path": None}  # set by the stage_runs fixture (config() is called from plain helpers)
 
 
@@ -450,10 +457,7 @@ def test_a_resumed_learner_trains_at_its_configs_lr_not_the_saved_one(stage_runs
         assert {k.split("/")[1] for k in changed} == ({"eps"} if lr == saved_lr else {"eps", "lr"})
         assert all(v == {"saved": saved_eps, "config": 1e-8} for k, v in changed.items() if k.endswith("/eps"))
         assert all(v == {"saved": saved_lr, "config": lr} for k, v in changed.items() if k.endswith("/lr"))
-        before = snapshot(learner)
-        learner.update(batch, step=1)
-        after = snapshot(learner)
-        steps[lr] = {name: after[name] - before[name] for name in WATCHED}
+        steps[lr] = weight_step(learner, batch, step=1)[0]
     for name in WATCHED:
         scale = float(steps[saved_lr][name].abs().max())
         assert scale > 0.1 * saved_lr
@@ -471,9 +475,8 @@ def test_reset_at_step_makes_the_next_update_a_fresh_optimizers_first(stage_runs
     adam = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}
 
     def step_of(learner, step: int) -> tuple[dict, float]:
-        before = snapshot(learner)
-        reset = learner.update(batch, step=step)["optimizer_reset"]
-        return {n: t - before[n] for n, t in snapshot(learner).items()}, reset
+        moved, metrics = weight_step(learner, batch, step)
+        return moved, metrics["optimizer_reset"]
 
     def resumed(**optimizer) -> Learner:
         learner = Learner(config(zero_stage=zero_stage, micro_batch_size=2, optimizer={**adam, **optimizer}))
@@ -508,19 +511,14 @@ def test_an_sgd_learner_resumes_adamw_weights_without_its_moments(stage_runs, ba
     stage_runs["plain"].save_checkpoint(str(tmp_path / "adamw"))
     sgd = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0}
 
-    def step_of(learner, train_batch) -> dict:
-        before = snapshot(learner)
-        learner.update(train_batch)
-        return {n: t - before[n] for n, t in snapshot(learner).items()}
-
     def resumed(optimizer, source) -> Learner:
         learner = Learner(config(zero_stage=zero_stage, optimizer=optimizer))
         learner.load_checkpoint(str(tmp_path / source))
         return learner
 
-    fresh = step_of(Learner(config(model=str(tmp_path / "adamw" / "policy"), zero_stage=zero_stage, optimizer=sgd)), batch)
+    fresh = weight_step(Learner(config(model=str(tmp_path / "adamw" / "policy"), zero_stage=zero_stage, optimizer=sgd)), batch)[0]
     halved = replace(batch, advantages=batch.advantages * 0.5)
-    full, half = step_of(resumed(sgd, "adamw"), batch), step_of(resumed(sgd, "adamw"), halved)
+    full, half = weight_step(resumed(sgd, "adamw"), batch)[0], weight_step(resumed(sgd, "adamw"), halved)[0]
     for name in WATCHED:
         scale = float(fresh[name].abs().max())
         assert scale > 1e-4, name
@@ -536,7 +534,7 @@ def test_an_sgd_learner_resumes_adamw_weights_without_its_moments(stage_runs, ba
     adam_again = resumed({"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}, "sgd")
     adam_fresh = Learner(config(model=str(tmp_path / "sgd" / "policy"), zero_stage=zero_stage,
                                 optimizer={"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}))
-    again, new = step_of(adam_again, batch), step_of(adam_fresh, batch)
+    again, new = weight_step(adam_again, batch)[0], weight_step(adam_fresh, batch)[0]
     for name in WATCHED:
         torch.testing.assert_close(again[name], new[name], rtol=1e-4, atol=1e-4 * float(new[name].abs().max()))
 
