@@ -3,15 +3,19 @@ and under hypothesis, and the gradient itself on a tiny random Llama against a f
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.studies.mode_gradients import (gradient_alignment, gradient_spread, mean_mode_gradient, mode_gradient_alignment,
-                                                mode_gradient_moments, spread_along, spread_figures)
+from experiments.studies.mode_gradients import (batch_records, batch_step_moves, clipped_step, gradient_alignment,
+                                                gradient_spread, mean_mode_gradient, mode_gradient_alignment,
+                                                mode_gradient_moments, route_credits, route_logprob_slope, spread_along,
+                                                spread_figures, step_moves, type_gradients, without_component)
 from experiments.recipe.routing import graph_preference, mode_logit, mode_logits, mode_slot_tokens, routing_accuracy
 
 
@@ -278,3 +282,105 @@ def test_the_type_right_signal_splits_the_mode_slot(tiny):
     sparse = list(supervised_split(copy.deepcopy(model), tokenizer, probes, probes, steps=5, lr=1e-3, per_type=2,
                                    measure_every=2))
     assert [r["step"] for r in sparse] == [0, 2, 4, 5]  # every second step, and the last
+
+
+def test_the_plain_step_pieces_by_hand():
+    u = torch.tensor([3.0, 4.0])  # |u| = 5
+    assert clipped_step(u, 0.1, 1.0).tolist() == pytest.approx([0.06, 0.08])  # clipped to norm 1, times lr
+    assert clipped_step(u, 0.1, 10.0).tolist() == pytest.approx([0.3, 0.4])  # under the clip: lr·u
+    assert clipped_step(torch.zeros(2), 0.1, 1.0).tolist() == [0.0, 0.0]
+    # (3, 4) − (⟨u, a⟩ / |a|²)·a with a = (1, 1): 7/2·(1, 1)
+    assert without_component(u, torch.tensor([1.0, 1.0])).tolist() == pytest.approx([-0.5, 0.5])
+    assert step_moves(torch.tensor([0.5, -1.0], dtype=torch.float64), torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])) == \
+        pytest.approx({"shared": 1.0, "gap": -0.5})
+    for bad in (dict(lr=0.0, clip=1.0), dict(lr=0.1, clip=0.0)):
+        with pytest.raises(ValueError, match="positive"):
+            clipped_step(u, **bad)
+    with pytest.raises(ValueError, match="zero"):
+        without_component(u, torch.zeros(2))
+
+
+def test_route_credits_and_slopes_by_hand():
+    # graph: +1, −1, +3 (mean 1) → 0, −2, +2; passage: +2 alone → 0
+    assert route_credits([1.0, -1.0, 2.0, 3.0], ["graph", "graph", "passage", "graph"]) == pytest.approx([0, -2, 0, 2])
+    assert (route_logprob_slope("graph", 0.8), route_logprob_slope("passage", 0.8)) == pytest.approx((0.2, -0.8))
+    with pytest.raises(ValueError, match="routes"):
+        route_credits([1.0], ["hybrid"])
+    with pytest.raises(ValueError, match="advantages"):
+        route_credits([1.0, 2.0], ["graph"])
+
+
+@given(st.lists(st.tuples(finite, finite), min_size=1, max_size=6), st.floats(0.01, 10))
+@settings(max_examples=60, deadline=None)
+def test_a_projected_direction_is_orthogonal_and_a_clipped_step_bounded(pairs, clip):
+    u, a = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    if torch.any(a != 0):
+        projected = without_component(u, a)
+        assert float(torch.dot(projected, a.double())) == pytest.approx(0.0, abs=1e-6 * (1 + float(u.norm() * a.norm())))
+    assert float(clipped_step(u, 0.5, clip).norm()) <= 0.5 * clip * (1 + 1e-9)
+
+
+def _trajectory(example: dict, route: str, advantage: float, qid: str) -> str:
+    return json.dumps({"token_ids": example["token_ids"], "loss_mask": example["loss_mask"], "advantage": advantage,
+                       "episode": {"question_id": qid, "modes": [route]}})
+
+
+def test_batch_records_keep_the_searching_episodes_and_name_a_bad_line(tiny, tmp_path):
+    _, tokenizer, probes = tiny
+    good = _trajectory(probes["direct"][0], "passage", 0.5, "q1")
+    silent = json.dumps({"token_ids": [1], "loss_mask": [0], "advantage": 0.0, "episode": {"question_id": "q2", "modes": []}})
+    path = tmp_path / "step-000001.jsonl"
+    path.write_text(good + "\n" + silent + "\n")
+    records = batch_records(path)
+    assert [(r["question_id"], r["route"], r["advantage"]) for r in records] == [("q1", "passage", 0.5)]
+    path.write_text(good + "\n" + '{"token_ids": [1]}' + "\n")
+    with pytest.raises(ValueError, match=r"step-000001.jsonl:2"):
+        batch_records(path)
+
+
+def test_the_batch_prediction_is_the_move_a_plain_clipped_step_makes(tiny, tmp_path):
+    """``batch_step_moves``' plain step, taken for real on the tiny model (torch SGD on the
+    two-mode loss −(1/N)·Σ c_i·log π(route_i), gradient clipped), moves the probes' shared level and
+    gap as predicted, to first order. The batch here is the probes themselves, two of each type,
+    so its own shared direction is the probes' m and the projected step leaves their level alone.
+    A negated credit, a dropped slope or an unclipped step fails this."""
+    model, tokenizer, probes = tiny
+    episodes = [(probes["graph_only"][0], "graph", 1.0), (probes["graph_only"][1], "passage", -1.0),
+                (probes["direct"][0], "passage", 1.0), (probes["direct"][1], "graph", -0.5)]
+    path = tmp_path / "step.jsonl"
+    path.write_text("\n".join(_trajectory(ex, r, a, f"q{i}") for i, (ex, r, a) in enumerate(episodes)) + "\n")
+    records = batch_records(path)
+    grads, _, _ = type_gradients(model, tokenizer, probes)
+    lr, clip = 0.01, 0.1  # a step of L2 size 1e-3: small enough for first order, large against float32's noise
+    got = batch_step_moves(model, tokenizer, records, grads["graph_only"], grads["direct"], lr, clip=clip)
+    assert got["routes"] == {"graph": 2, "passage": 2} and got["direction_norm"] > clip  # the clip acts
+    slot, continuations = mode_slot_tokens(tokenizer)
+    credits = route_credits([r["advantage"] for r in records], [r["route"] for r in records])
+
+    def levels():
+        with torch.no_grad():
+            z = {k: float(mode_logits(model, v, slot, continuations).mean()) for k, v in probes.items()}
+        return (z["graph_only"] + z["direct"]) / 2, z["graph_only"] - z["direct"]
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    before = levels()
+    try:
+        model.zero_grad(set_to_none=True)
+        z = mode_logits(model, [r for r in records], slot, continuations)
+        sign = torch.tensor([1.0 if r["route"] == "graph" else -1.0 for r in records])
+        loss = -(torch.tensor(credits) * F.logsigmoid(sign * z)).sum() / len(records)  # log π(route) = log σ(±z)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        torch.optim.SGD(params, lr=lr).step()
+        after = levels()
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        model.zero_grad(set_to_none=True)
+    moved = {"shared": after[0] - before[0], "gap": after[1] - before[1]}
+    assert abs(moved["shared"]) > 1e-5 and abs(moved["gap"]) > 1e-5
+    assert moved == pytest.approx(got["plain_step"], rel=0.05, abs=1e-6)
+    assert abs(got["projected_step"]["shared"]) < 1e-6 * abs(got["plain_step"]["shared"]) + 1e-12
+    assert got["cosine_batch_shared_with_probes_shared"] == pytest.approx(1.0)

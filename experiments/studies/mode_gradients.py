@@ -35,6 +35,17 @@ A ratio near 1 means the types cannot be moved apart by the updates RL makes on 
 the reward must push the two types in opposite directions with nearly equal weight in the same
 batch before the differential part acts.
 
+``--batch STEP.jsonl`` (a trajectories file of a routing-study run, e.g. ``grpo/trajectories/
+step-000006.jsonl``, read with the policy that drew it) predicts what one plain gradient step on
+that batch's mode-choice term does to the probes (``batch_step_moves``): the step's direction is
+u = (1/N)·Σ_i c_i·w_i·∇z_i over the episodes' first searches, c_i the advantage centred per route
+(``route_centred_mode_advantages``), w_i = d log π(route_i) / dz_i in the two-mode approximation
+(1 − p_i for graph, −p_i for passage); the step is ``--batch-lr`` times u, clipped to L2 norm
+``--grad-clip`` as the learner clips it. It reports the step's moves of the probes' shared level
+and gap, ⟨m, step⟩ and ⟨d, step⟩, and the same with the batch's own shared direction
+m_b = mean_i ∇z_i projected out of u first. Temperatures and the rollout's importance weights are
+left out, so a learner's actual step is read against it, not from it.
+
 ``--split-steps N`` then measures how learnable the split is at all (``supervised_split``): from
 each policy, N AdamW steps on the cleanest signal RL could give the mode slot, every step a
 type-balanced batch of training-question prefixes whose target is the right mode for their type
@@ -68,8 +79,9 @@ import torch
 import torch.nn.functional as F
 
 from experiments.eval.harness import resolve_policy
-from experiments.recipe.routing import (EVAL_KWARGS, build_task, graph_preference, mode_logit, mode_logits,
+from experiments.recipe.routing import (EVAL_KWARGS, build_task, first_route, graph_preference, mode_logit, mode_logits,
                                         mode_probes, mode_slot_tokens, routing_accuracy)
+from raggym.algorithms.batch import route_centred_mode_advantages
 from raggym.models import load_policy, load_policy_tokenizer
 from raggym.retrieval import Retriever
 
@@ -179,6 +191,12 @@ def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]], bat
     (for batches of ``batch_per_type`` examples a type), with each type's mean p(graph) and the
     probes' ``routing_accuracy``; with ``along_shared``, also each type's ``spread_along`` the
     shared part m, over |d| (``spread_along_shared_over_gap``; a second pass over the probes)."""
+    return alignment_figures(model, tokenizer, probes, *type_gradients(model, tokenizer, probes),
+                             batch_per_type=batch_per_type, along_shared=along_shared)
+
+
+def type_gradients(model, tokenizer, probes: dict[str, list[dict]]):
+    """Per question type: the probes' mean mode gradient, its ``gradient_spread``, and each probe's p(graph)."""
     missing = {REWARDED, OTHER} - set(probes)
     if missing:
         raise ValueError(f"probes lack question type(s) {sorted(missing)}; have {sorted(probes)}")
@@ -187,6 +205,12 @@ def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]], bat
         grads[kind], squared, logits = mode_gradient_moments(model, tokenizer, probes[kind])
         spreads[kind] = gradient_spread(grads[kind], squared)
         p_graph[kind] = [1 / (1 + math.exp(-z)) for z in logits]  # sigmoid(z)
+    return grads, spreads, p_graph
+
+
+def alignment_figures(model, tokenizer, probes, grads, spreads, p_graph, batch_per_type: int = 16,
+                      along_shared: bool = False) -> dict:
+    """``mode_gradient_alignment``'s figures from ``type_gradients``' results."""
     gap_norm = float((grads[REWARDED].double() - grads[OTHER].double()).norm())
     along = {}
     if along_shared and gap_norm > 0:  # how much of each type's spread lies along m, in units of |d|
@@ -198,6 +222,91 @@ def mode_gradient_alignment(model, tokenizer, probes: dict[str, list[dict]], bat
             "batch_per_type": batch_per_type, **along,
             "p_graph": {kind: statistics.fmean(p) for kind, p in p_graph.items()},
             "routing_accuracy": routing_accuracy(p_graph), "probes": {kind: len(probes[kind]) for kind in (REWARDED, OTHER)}}
+
+
+def clipped_step(direction, lr: float, clip: float):
+    """The weights' move for a descent ``direction`` u: lr·u·min(1, clip / |u|), as the learner's
+    gradient clipping to L2 norm ``clip`` and a plain gradient step make it."""
+    if not lr > 0 or not clip > 0:
+        raise ValueError(f"lr and clip must be positive, got {lr} and {clip}")
+    norm = float(direction.double().norm())
+    return direction.double() * (lr * min(1.0, clip / norm) if norm > 0 else 0.0)
+
+
+def without_component(direction, along):
+    """``direction`` with its component along ``along`` removed: u − (⟨u, a⟩ / |a|²)·a."""
+    a = along.double()
+    if not torch.any(a != 0):
+        raise ValueError("cannot project out a zero direction")
+    return direction.double() - (torch.dot(direction.double(), a) / torch.dot(a, a)) * a
+
+
+def step_moves(step, shared, gap) -> dict:
+    """To first order, a weight move ``step``'s effect on the probes: ``shared`` ⟨m, step⟩ (the
+    level both types share) and ``gap`` ⟨d, step⟩ (``graph_only`` − ``direct``)."""
+    return {"shared": float(torch.dot(shared.double(), step)), "gap": float(torch.dot(gap.double(), step))}
+
+
+def route_credits(advantages: list[float], routes: list[str]) -> list[float]:
+    """Each episode's advantage centred per route over the batch (``route_centred_mode_advantages``,
+    one mode choice per episode: its first search's)."""
+    if len(advantages) != len(routes):
+        raise ValueError(f"{len(advantages)} advantages for {len(routes)} routes")
+    if set(routes) - {"graph", "passage"}:
+        raise ValueError(f"routes must be 'graph' or 'passage', got {sorted(set(routes) - {'graph', 'passage'})}")
+    codes = torch.tensor([[1 if r == "graph" else 0] for r in routes])
+    return route_centred_mode_advantages(torch.tensor(advantages), codes, torch.ones_like(codes))[:, 0].tolist()
+
+
+def route_logprob_slope(route: str, p_graph: float) -> float:
+    """d log π(route) / dz with two modes (log π(graph) = log σ(z), log π(passage) = log σ(−z)):
+    1 − p for ``graph``, −p for ``passage``."""
+    return 1 - p_graph if route == "graph" else -p_graph
+
+
+def batch_records(path: Path) -> list[dict]:
+    """The episodes of a trajectories file that searched, each as ``{"token_ids", "loss_mask",
+    "advantage", "route", "question_id"}``; a line that is not a trajectory record is an error naming it."""
+    out = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            record = json.loads(line)
+            route = first_route(record["episode"].get("modes"))
+            entry = {"token_ids": record["token_ids"], "loss_mask": record["loss_mask"],
+                     "advantage": float(record["advantage"]), "question_id": record["episode"]["question_id"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{number}: not a trajectory record ({e})") from e
+        if route is not None:
+            out.append({**entry, "route": route})
+    if not out:
+        raise ValueError(f"{path}: no episode that searched")
+    return out
+
+
+def batch_step_moves(model, tokenizer, records: list[dict], g_rewarded, g_other, lr: float, clip: float = 1.0) -> dict:
+    """The ``--batch`` prediction (module docstring) for ``records`` (``batch_records``) against
+    the probes' type-mean gradients: the plain step's and the projected step's moves of the
+    shared level and gap, the cosines of u with m and d, and the episodes' shared-direction scale
+    a_i = ⟨∇z_i, m⟩ / |m|² (its spread over the batch is what route-centring cannot cancel)."""
+    shared, gap = (g_rewarded.double() + g_other.double()) / 2, g_rewarded.double() - g_other.double()
+    credits = route_credits([r["advantage"] for r in records], [r["route"] for r in records])
+    u, batch_shared = torch.zeros_like(shared), torch.zeros_like(shared)
+    scales = []
+    for (flat, z), c, record in zip(example_mode_gradients(model, tokenizer, records), credits, records):
+        flat = flat.double()
+        weight = c * route_logprob_slope(record["route"], 1 / (1 + math.exp(-z))) / len(records)  # c_i·w_i / N
+        u.add_(flat, alpha=weight)
+        batch_shared.add_(flat, alpha=1 / len(records))  # m_b = mean_i ∇z_i
+        scales.append(float(torch.dot(flat, shared) / torch.dot(shared, shared)))
+    projected = without_component(u, batch_shared)
+    cos = lambda a, b: float(torch.dot(a, b) / (a.norm() * b.norm())) if a.norm() > 0 and b.norm() > 0 else None
+    return {"episodes": len(records), "routes": {r: sum(x["route"] == r for x in records) for r in ("graph", "passage")},
+            "lr": lr, "grad_clip": clip, "direction_norm": float(u.norm()),
+            "cosine_with_shared": cos(u, shared), "cosine_with_gap": cos(u, gap),
+            "cosine_batch_shared_with_probes_shared": cos(batch_shared, shared),
+            "plain_step": step_moves(clipped_step(u, lr, clip), shared, gap),
+            "projected_step": step_moves(clipped_step(projected, lr, clip), shared, gap),
+            "shared_scale": {"mean": statistics.fmean(scales), "stdev": statistics.pstdev(scales)}}
 
 
 def supervised_split(model, tokenizer, train_probes: dict[str, list[dict]], heldout_probes: dict[str, list[dict]],
@@ -262,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure how much of each type's spread lies along the shared part (a second pass)")
     p.add_argument("--batch-per-type", type=int, default=16,
                    help="episodes of each type in a training batch, for gap_error_over_gap (default 16: issue #64's pilots)")
+    p.add_argument("--batch", type=Path, default=None, metavar="STEP.jsonl",
+                   help="a routing run's trajectories file: predict one plain step's moves on the probes")
+    p.add_argument("--batch-lr", type=float, default=0.1, help="the plain step's learning rate for --batch")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="the learner's gradient clipping (L2) for --batch")
     p.add_argument("--split-steps", type=int, default=0,
                    help="then train each policy this many steps on the type-right mode (0: gradients only)")
     p.add_argument("--split-lr", type=float, default=2e-5, help="AdamW learning rate of --split-steps")
@@ -291,13 +404,21 @@ def main(argv=None) -> int:
     train_probes = (mode_probes(task, retriever, tokenizer, EVAL_KWARGS, per_type=args.train_per_type, split="train",
                                 kind_cues=args.kind_cues)
                     if args.split_steps else {})  # golden episodes cost retrieval: only when they are trained on
+    batch = batch_records(args.batch) if args.batch else []  # a bad file fails before any model loads
     for spec in args.policies:
         started = time.perf_counter()
         model = load_policy(resolve_policy(spec))[0]
+        if not args.no_alignment or args.batch:
+            grads, spreads, p_graph = type_gradients(model, tokenizer, probes)
         if not args.no_alignment:
-            result = mode_gradient_alignment(model, tokenizer, probes, batch_per_type=args.batch_per_type,
-                                             along_shared=args.along_shared)
+            result = alignment_figures(model, tokenizer, probes, grads, spreads, p_graph,
+                                       batch_per_type=args.batch_per_type, along_shared=args.along_shared)
             print(json.dumps({"policy": spec, **result, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        if args.batch:
+            moves = batch_step_moves(model, tokenizer, batch, grads[REWARDED], grads[OTHER], args.batch_lr, args.grad_clip)
+            print(json.dumps({"policy": spec, "batch": str(args.batch), **moves,
+                              "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+            del grads
         if args.split_steps:
             for record in supervised_split(model, tokenizer, train_probes, probes, args.split_steps, args.split_lr,
                                            args.split_batch, seed=args.split_seed, measure_every=args.measure_every,
