@@ -1,0 +1,6 @@
+# the sitting-11 pilot's command, shared by the stage-1 measuring run (A) and the pilot (B)
+STUDY_ARGS=(--seeds 2 --entities 300 --questions 400 --heldout-per-type 48 --probes-per-type 48 --sft-examples 48 --sft-epochs 2 --sft-lr 2e-4 --sft-batch 4 --sft-lr-schedule linear --sft-order per-question --sft-mode-sampling every --sft-kind-cues "graph_only=It asks about a person.;direct=It asks about a thing." --stage1-steps 5 --stage2-steps 12 --prompts-per-step 4 --group-size 8 --lr 5e-6 --eval-samples 0 --eval-temperature 0.7 --snapshot-every 2 --max-minutes 150)
+stage2() { local lr=$1; echo --stage2-override data.balance_by=kind --stage2-override learner.loss.mode_pg_coef=1.0 --stage2-override "learner.loss.terms=[mode_pg]" --stage2-override learner.optimizer.name=sgd --stage2-override learner.optimizer.lr=$lr --stage2-override learner.loss.mode_pg_centring=route --stage2-override learner.loss.mode_entropy_coef=0.1 --stage2-override rollout.mode_slot_temperature=2.0 --stage2-override learner.old_logprobs=recompute --stage2-override learner.loss.rollout_correction.level=token; }
+BASE=(rollout.temperature=0.7 learner.loss.mode_entropy_coef=1.0 run.checkpoint_every=1 learner.micro_batch_size=8 rollout.dtype=float32)
+export PYTHONPATH=/root/wt64s HF_HUB_OFFLINE=1
+PY=/work/main/.venv/bin/python
