@@ -418,7 +418,8 @@ def main(argv=None) -> int:
             moves = batch_step_moves(model, tokenizer, batch, grads[REWARDED], grads[OTHER], args.batch_lr, args.grad_clip)
             print(json.dumps({"policy": spec, "batch": str(args.batch), **moves,
                               "seconds": round(time.perf_counter() - started, 1)}), flush=True)
-            del grads
+        if not args.no_alignment or args.batch:
+            del grads  # two flat gradients (1 GB for 135M): not held through --split-steps
         if args.split_steps:
             for record in supervised_split(model, tokenizer, train_probes, probes, args.split_steps, args.split_lr,
                                            args.split_batch, seed=args.split_seed, measure_every=args.measure_every,
